@@ -1,0 +1,48 @@
+"""The chat command: open the runtime and the session, pick the UI, write --stats-json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from localchat import runtime, sessionctl
+from localchat.stats import TurnStats
+
+
+def _report(text: str) -> None:
+    """Diagnostics on stderr; a text starting with '\\r' redraws the current line (progress)."""
+    sys.stderr.write(text if text.startswith("\r") else text + "\n")
+    sys.stderr.flush()
+
+
+def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    profile = runtime.load_profile(args.profile, overrides)
+    rt = runtime.open_runtime(profile, _report, verbose=args.verbose)
+    try:
+        if rt.gpu_warning:
+            _report(f"localchat: warning: {rt.gpu_warning}")
+        ctl = sessionctl.SessionControl.open(rt, args, _report)
+        stats_file = open(args.stats_json, "a", encoding="utf-8") if args.stats_json else None
+
+        def after_turn(st: TurnStats) -> None:
+            ctl.after_turn(st)
+            if stats_file:
+                stats_file.write(json.dumps(st.to_json()) + "\n")
+                stats_file.flush()
+
+        try:
+            if sys.stdin.isatty() and sys.stdout.isatty():
+                from localchat import repl
+                repl.run(rt, ctl, after_turn)
+            else:
+                from localchat import lineui
+                lineui.run_lines(ctl, after_turn)
+        finally:
+            ctl.close()
+            if stats_file:
+                stats_file.close()
+    finally:
+        rt.close()
+    return 0

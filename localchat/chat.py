@@ -1,0 +1,264 @@
+"""One chat over one engine: builds each turn's delta, handles overflow, streams, counts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from localchat.conversation import Conversation, Message
+from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig
+from localchat.errors import ContextFullError
+from localchat.stats import TurnStats
+from localchat.templates import ChatFormat
+
+OVERFLOW_POLICIES = ("auto", "shift", "rebuild", "stop")
+
+TextSink = Callable[[str], None]
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    system: str | None = None
+    max_tokens: int = 512
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    overflow: str = "auto"  # auto: shift where the KV can shift positions, else rebuild
+
+
+class StopScanner:
+    """Holds back streamed text that may be the start of a stop string."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops, self.text, self.sent = stops, "", 0
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        self.text += piece
+        for s in self.stops:
+            i = self.text.find(s, max(0, self.sent - len(s)))
+            if i >= 0:
+                out, self.sent = self.text[self.sent:i], i
+                self.text = self.text[:i]
+                return out, True
+        upto = max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:upto], upto
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+class ChatSession:
+    def __init__(self, engine: Engine, fmt: ChatFormat, settings: ChatSettings,
+                 conversation: Conversation | None = None):
+        self.engine, self.fmt, self.settings = engine, fmt, settings
+        self.conv = conversation or Conversation(system=settings.system)
+        self.history: list[TurnStats] = []
+        self.kv_restored = False  # set when the KV came from disk; reported by the next turn
+        self.prefix_restored = False  # the system prefix came from the shared prefix cache
+        self.pending_cause = ""  # why the next turn may recompute (state rejected, system changed)
+        self._sampler = engine.make_sampler(settings.sampling)
+        self._bos = engine.special_text("bos")
+        self.events: list[dict] = []  # transcript records not yet persisted, drained by the store
+        # called with the prefix tokens once the KV holds exactly them (the shared prefix cache)
+        self.on_prefix: Callable[[list[int]], None] | None = None
+
+    @property
+    def overflow(self) -> str:
+        if self.settings.overflow == "auto":
+            return "shift" if self.engine.can_shift else "rebuild"
+        return self.settings.overflow
+
+    # ---------------------------------------------------------------- deltas
+    def _tok(self, text: str, special: bool = True, bos: bool = False) -> list[int]:
+        return self.engine.tokenize(text, special=special, add_bos=bos)
+
+    def _prefix_tokens(self) -> list[int]:
+        before = self.fmt.first_turn(self.conv.system, "").before
+        return self._tok(before, bos=not (self._bos and before.startswith(self._bos)))
+
+    def _delta(self, text: str) -> tuple[list[int], list[int]]:
+        """(head, body): the closing of the last reply and the user header; the words and the
+        generation prompt. The first exchange's head is the prefix itself."""
+        if not any(m.in_window for m in self.conv.messages):
+            t = self.fmt.first_turn(self.conv.system, text)
+            head: list[int] = []
+        else:
+            t = self.fmt.next_turn(self.conv.system, text)
+            before = t.before
+            last = self.conv.messages[-1].tokens
+            if last and self.engine.is_eog(last[-1]):
+                # the sampled end-of-turn token already closed the reply
+                before = before[len(self.engine.piece(last[-1], special=True).decode("utf-8", "replace")):]
+            head = self._tok(before)
+        return head, self._tok(t.user, special=False) + self._tok(t.after)
+
+    # ---------------------------------------------------------------- overflow
+    def _make_room(self, need: int, st: TurnStats) -> None:
+        """Take the oldest exchanges out of the window until `need` more tokens fit."""
+        e = self.engine
+        window = self.conv.window_tokens()
+        if len(window) + need <= e.n_ctx:
+            return
+        if self.overflow == "stop":
+            raise ContextFullError(
+                f"the context is full ({len(window)} of {e.n_ctx} tokens): /new starts a new chat, "
+                "a larger --ctx holds more, or set overflow: shift in the profile")
+        margin = e.n_ctx // 8
+        chosen, freed = [], 0
+        for idx, start, end in self.conv.evictable():
+            if len(window) - freed + need + margin <= e.n_ctx and chosen:
+                break
+            chosen.append((idx, start, end))
+            freed += end - start
+        if not chosen:
+            return
+        in_sync = e.tokens[:e.n_kv] == window[:e.n_kv] and e.n_kv >= chosen[-1][2]
+        if self.overflow == "shift" and e.can_shift and in_sync:
+            for _, start, end in reversed(chosen):
+                e.shift_out(start, end - start)
+        self.conv.evict([c[0] for c in chosen], freed)
+        self.events.append({"t": "evict", "users": [c[0] for c in chosen], "tokens": freed})
+        st.shifted_tokens = freed
+
+    # ---------------------------------------------------------------- turns
+    def turn(self, text: str, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
+             progress: Progress | None = None) -> TurnStats:
+        e = self.engine
+        t0 = time.perf_counter()
+        st = TurnStats(turn=self.conv.turns + 1, n_ctx=e.n_ctx, kv_restored=self.kv_restored)
+        if not self.conv.prefix:
+            self.set_system(self.conv.system, cause="")
+        head, body = self._delta(text)
+        new_len = len(head) + len(body) + (len(self.conv.prefix) if not self.conv.messages else 0)
+        if len(self.conv.prefix) + len(body) + 1 > e.n_ctx:
+            raise ContextFullError(f"this message ({len(body)} tokens) does not fit in the context "
+                                   f"({e.n_ctx} tokens); shorten it or raise --ctx")
+        self._make_room(len(head) + len(body) + self.settings.max_tokens, st)
+        head, body = self._delta(text)  # the head depends on whether anything is left in the window
+        self._record(self.conv.add_user(text, head, body))
+        prompt = self.conv.window_tokens()
+        n_kv_before = e.n_kv
+        e.reset_perf()
+        gen = Generation(tokens=[])
+        st.prompt_tokens, st.new_tokens = len(prompt), new_len
+        try:
+            pre = self._prefill(prompt, progress, cancelled)
+        except Cancelled:
+            self._record(self.conv.add_reply("", [], cut=True))
+            st.stop_reason, st.cut = "cancelled", True
+            return self._finish(st, t0, gen)
+        st.cached_tokens, st.recomputed_tokens, st.prefill_s = pre.cached, pre.recomputed, pre.seconds
+        st.first_diff = pre.first_diff
+        scanner = StopScanner(self.fmt.stop_strings)
+        stopped = False
+        for piece in e.generate(self._sampler, self.settings.max_tokens, gen, cancelled):
+            out, stopped = scanner.feed(piece)
+            if out and on_text:
+                on_text(out)
+            if stopped:
+                gen.stop_reason = "stop_string"
+                break
+        if not stopped:
+            rest = scanner.flush()
+            if rest and on_text:
+                on_text(rest)
+        reply = self._settle_reply(len(prompt), gen, scanner.text if stopped else None)
+        st.cut = gen.stop_reason in ("cancelled", "context_full")
+        self._record(self.conv.add_reply(e.detokenize([t for t in reply if not e.is_eog(t)]), reply, st.cut))
+        st.reply_tokens, st.stop_reason = len(reply), gen.stop_reason
+        st.miss_cause = self._miss_cause(st, pre.rewind_refused, n_kv_before)
+        return self._finish(st, t0, gen)
+
+    def _record(self, m: Message) -> None:
+        self.events.append({"t": "msg", **m.to_json()})
+
+    def _prefill(self, prompt: list[int], progress: Progress | None,
+                 cancelled: Callable[[], bool] | None) -> PrefillResult:
+        """Prefill, stopping once at the end of the prefix when a snapshot of it is wanted."""
+        e, prefix = self.engine, self.conv.prefix
+        holds_prefix = e.n_kv >= len(prefix) and e.tokens[:len(prefix)] == prefix
+        if self.on_prefix is None or holds_prefix or len(prompt) <= len(prefix):
+            return e.prefill(prompt, progress=progress, cancelled=cancelled)
+        first = e.prefill(prefix, progress=progress, cancelled=cancelled)
+        self.on_prefix(prefix)
+        rest = e.prefill(prompt, progress=progress, cancelled=cancelled)
+        return PrefillResult(first.cached, first.recomputed + rest.recomputed, first.seconds + rest.seconds,
+                             first.first_diff, first.rewind_refused or rest.rewind_refused)
+
+    def _settle_reply(self, prompt_len: int, gen: Generation, kept_text: str | None) -> list[int]:
+        """The reply tokens the history keeps: as sampled, less a stop string or a foreign end token."""
+        e = self.engine
+        reply = e.tokens[prompt_len:]
+        if kept_text is not None:
+            keep = 0
+            while keep < len(reply) and len(e.detokenize(reply[:keep + 1])) <= len(kept_text):
+                keep += 1
+            e.truncate(prompt_len + keep)
+        elif reply and e.is_eog(reply[-1]):
+            closing = self.fmt.next_turn(self.conv.system, "").before
+            if not closing.startswith(e.piece(reply[-1], special=True).decode("utf-8", "replace")):
+                e.truncate(len(e.tokens) - 1)  # pending, never evaluated: nothing to rewind
+        return e.tokens[prompt_len:]
+
+    def _miss_cause(self, st: TurnStats, rewind_refused: bool, n_kv_before: int) -> str:
+        if not st.cache_miss or st.turn == 1:
+            return ""
+        cause, self.pending_cause = self.pending_cause, ""
+        if cause:
+            return cause
+        if rewind_refused:
+            return "sliding window: the cache no longer holds what a rewind needs"
+        if st.shifted_tokens:
+            return "overflow: the kept window was recomputed"
+        if n_kv_before == 0:
+            return "KV empty (new process or state not restored)"
+        return f"template re-render: prompt differs from the KV at token {st.first_diff}"
+
+    def _finish(self, st: TurnStats, t0: float, gen: Generation) -> TurnStats:
+        e = self.engine
+        perf = e.perf()
+        st.llama_prompt_eval, st.llama_eval = int(perf["prompt_n"]), int(perf["eval_n"])
+        if gen.first_token_at:
+            st.ttft_s = gen.first_token_at - t0
+        if perf["eval_ms"] > 0:
+            st.decode_tps = perf["eval_n"] / (perf["eval_ms"] / 1000)
+        st.ctx_used = len(e.tokens)
+        st.turns_left_window = self.conv.turns_left_window
+        st.tokens_left_window = self.conv.tokens_left_window
+        st.extra["prefix_cache_hit"] = self.prefix_restored
+        self.kv_restored = self.prefix_restored = False
+        self.history.append(st)
+        return st
+
+    # ---------------------------------------------------------------- commands
+    def undo(self) -> bool:
+        """Drop the last exchange; True when the KV was rewound without recomputing."""
+        if not self.conv.turns:
+            return False
+        self.conv.drop_last_exchange()
+        self.events.append({"t": "undo"})
+        keep = len(self.conv.window_tokens())
+        kept = self.engine.can_rewind_to(keep)
+        self.engine.truncate(keep)
+        return kept
+
+    def retry(self, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None) -> TurnStats | None:
+        if not self.conv.turns:
+            return None
+        text = self.conv.drop_last_exchange()[0].content
+        self.events.append({"t": "undo"})
+        return self.turn(text, on_text, cancelled)
+
+    def new(self) -> None:
+        """Start over; the KV keeps the shared system prefix for the next turn to reuse."""
+        self.conv = Conversation(system=self.conv.system)
+        self.history, self.events = [], []
+
+    def set_system(self, text: str | None, cause: str = "system prompt changed") -> None:
+        self.conv.system = text or None
+        self.conv.prefix = self._prefix_tokens()
+        self.pending_cause = cause
+        self.events.append({"t": "system", "system": self.conv.system, "prefix": self.conv.prefix})

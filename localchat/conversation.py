@@ -1,0 +1,106 @@
+"""The transcript and the token window the KV holds, derived from it; pure, no llama.cpp.
+
+Every message keeps its exact tokens (user: the template's head before the words and the
+body; assistant: the tokens as sampled), so the window is rebuilt token for token from the
+transcript alone. An exchange spans from its user's body to the next user's body, so taking
+the oldest exchanges out leaves a well-formed prompt: the prefix ends with a user header.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Message:
+    role: str  # user or assistant
+    content: str
+    tokens: list[int] = field(default_factory=list)  # user: words + generation prompt; reply: as sampled
+    head: list[int] = field(default_factory=list)  # user: closing of the previous reply + user header
+    cut: bool = False  # a reply stopped early (Ctrl-C, end of context)
+    in_window: bool = True  # False once its tokens have left the context window
+    pinned: bool = False  # never leaves the window
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Conversation:
+    system: str | None = None
+    prefix: list[int] = field(default_factory=list)  # system prompt and first user header
+    messages: list[Message] = field(default_factory=list)
+    tokens_left_window: int = 0
+
+    @property
+    def turns(self) -> int:
+        return sum(1 for m in self.messages if m.role == "user")
+
+    @property
+    def turns_left_window(self) -> int:
+        return sum(1 for m in self.messages if m.role == "user" and not m.in_window)
+
+    def _window(self) -> list[Message]:
+        return [m for m in self.messages if m.in_window]
+
+    def window_tokens(self) -> list[int]:
+        """The tokens the KV should hold, rebuilt from the transcript."""
+        out = list(self.prefix)
+        for i, m in enumerate(self._window()):
+            if m.role == "user" and i > 0:
+                out.extend(m.head)
+            out.extend(m.tokens)
+        return out
+
+    def exchange_spans(self) -> list[tuple[int, int, int]]:
+        """(message index of the user turn, first token, end token) of each exchange in the window."""
+        spans: list[list[int]] = []
+        pos = len(self.prefix)
+        for idx, m in enumerate(self.messages):
+            if not m.in_window:
+                continue
+            if m.role == "user":
+                if spans:
+                    pos += len(m.head)
+                    spans[-1][2] = pos
+                spans.append([idx, pos, pos])
+            pos += len(m.tokens)
+            spans[-1][2] = pos
+        return [(a, b, c) for a, b, c in spans]
+
+    def add_user(self, text: str, head: list[int], tokens: list[int]) -> Message:
+        m = Message("user", text, tokens=list(tokens), head=list(head))
+        self.messages.append(m)
+        return m
+
+    def add_reply(self, text: str, tokens: list[int], cut: bool) -> Message:
+        m = Message("assistant", text, tokens=list(tokens), cut=cut)
+        self.messages.append(m)
+        return m
+
+    def drop_last_exchange(self) -> list[Message]:
+        """Forget the last user message and its reply (undo); returns what was dropped."""
+        last_user = max(i for i, m in enumerate(self.messages) if m.role == "user")
+        dropped = self.messages[last_user:]
+        del self.messages[last_user:]
+        return dropped
+
+    def evictable(self) -> list[tuple[int, int, int]]:
+        """Exchanges that may leave the window, oldest first (not pinned)."""
+        return [s for s in self.exchange_spans() if not self.messages[s[0]].pinned]
+
+    def evict(self, user_indices: list[int], n_tokens: int) -> None:
+        for idx in user_indices:
+            for m in self.messages[idx:idx + 2]:
+                m.in_window = False
+        self.tokens_left_window += n_tokens
+
+    def to_json(self) -> dict:
+        return {"system": self.system, "prefix": self.prefix, "tokens_left_window": self.tokens_left_window,
+                "messages": [m.to_json() for m in self.messages]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Conversation":
+        return cls(system=d.get("system"), prefix=list(d.get("prefix", [])),
+                   messages=[Message(**m) for m in d.get("messages", [])],
+                   tokens_left_window=int(d.get("tokens_left_window", 0)))

@@ -1,0 +1,360 @@
+"""The llama.cpp context: a token-canonical KV, reuse/rewind/shift, generation, state copy.
+
+The only module that imports llama_cpp. It uses llama.cpp's C API through
+llama-cpp-python's bindings rather than the `Llama` class, which keeps an
+n_batch x n_vocab float array on the host (0.5 GiB with a 262k vocabulary).
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import llama_cpp as lc
+
+from localchat.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+SEQ = 0
+KV_TYPES = {"f32": lc.GGML_TYPE_F32, "f16": lc.GGML_TYPE_F16, "bf16": 30,
+            "q8_0": lc.GGML_TYPE_Q8_0, "q4_0": lc.GGML_TYPE_Q4_0, "q4_1": lc.GGML_TYPE_Q4_1,
+            "q5_0": lc.GGML_TYPE_Q5_0, "q5_1": lc.GGML_TYPE_Q5_1, "iq4_nl": lc.GGML_TYPE_IQ4_NL}
+
+_LOG_CALLBACK = None  # keeps the ctypes callback alive for the process
+
+
+def llama_version() -> str:
+    return lc.__version__
+
+
+def gpu_offload_supported() -> bool:
+    return bool(lc.llama_supports_gpu_offload())
+
+
+def _init_backend(verbose: bool) -> None:
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        lc.llama_backend_init()
+
+        @lc.llama_log_callback
+        def _cb(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+            if _VERBOSE[0] and text:
+                log.debug(text.decode("utf-8", errors="replace").rstrip("\n"))
+
+        _LOG_CALLBACK = _cb
+        lc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+    _VERBOSE[0] = verbose
+
+
+_VERBOSE = [False]
+
+
+def _cpu_has_amx() -> bool:
+    """ggml's AMX kernels die with SIGILL where the CPU reports AMX but the VM does not enable it
+    (seen on our CI machines), so AMX (and the other CPU repack buffers) stay off there."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    n_ctx: int = 4096
+    n_gpu_layers: int = 0
+    n_threads: int = 0  # 0: all cores
+    flash_attn: bool = False
+    type_k: str = "f16"
+    type_v: str = "f16"
+    n_batch: int = 512
+    n_ubatch: int = 512
+    swa_full: bool = False
+    verbose: bool = False
+
+    def threads(self) -> int:
+        return self.n_threads or os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int = 0xFFFFFFFF  # llama.cpp's "random seed"
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    cached: int
+    recomputed: int
+    seconds: float
+    first_diff: int  # first position where the KV and the prompt differed (-1: none)
+    rewind_refused: bool  # a sliding-window cache could not rewind: everything was recomputed
+
+
+@dataclass
+class Generation:
+    """Filled in while a reply streams; read after the iterator ends."""
+
+    tokens: list[int]
+    stop_reason: str = ""  # eog, max_tokens, stop_string, cancelled, context_full
+    first_token_at: float = 0.0
+
+
+class Cancelled(Exception):
+    """Raised from a prefill stopped by the user; the KV holds what was evaluated so far."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        _init_backend(config.verbose)
+        self.config = config
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = config.n_gpu_layers
+        mparams.use_extra_bufts = not _cpu_has_amx()
+        self.model = lc.llama_model_load_from_file(config.model_path.encode(), mparams)
+        if not self.model:
+            raise ModelError(f"llama.cpp could not load {config.model_path} (run with --verbose for its log)")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = config.n_ctx
+        cparams.n_batch = config.n_batch
+        cparams.n_ubatch = min(config.n_ubatch, config.n_batch)
+        cparams.n_seq_max = 1
+        cparams.n_threads = cparams.n_threads_batch = config.threads()
+        cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.type_k = KV_TYPES[config.type_k]
+        cparams.type_v = KV_TYPES[config.type_v]
+        cparams.swa_full = config.swa_full
+        cparams.no_perf = False
+        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            lc.llama_model_free(self.model)
+            raise ModelError("llama.cpp could not create the context: too little memory for this n_ctx/KV type? "
+                             "(see 'localchat plan'; --verbose shows llama.cpp's log)")
+        self.mem = lc.llama_get_memory(self.ctx)
+        self.n_ctx = lc.llama_n_ctx(self.ctx)
+        self.n_swa = lc.llama_model_n_swa(self.model)
+        self.can_shift = bool(lc.llama_memory_can_shift(self.mem))
+        self._batch = lc.llama_batch_init(config.n_batch, 0, 1)
+        self.tokens: list[int] = []  # the token-canonical history this context holds
+        self.n_kv = 0  # how many of self.tokens are evaluated into the KV (the rest are pending)
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    # ------------------------------------------------------------------ vocabulary
+    def tokenize(self, text: str, special: bool, add_bos: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
+        if n < 0:
+            cap = -n
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
+        return list(buf[:n])
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        n = lc.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)
+        if n < 0:
+            big = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self.vocab, token, big, -n, 0, special)
+            return big.raw[:n]
+        return self._piece_buf.raw[:n]
+
+    def detokenize(self, tokens: list[int], special: bool = False) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self.vocab, token))
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(lc.llama_vocab_get_add_bos(self.vocab))
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = lc.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+
+    def special_text(self, which: str) -> str:
+        tok = {"bos": lc.llama_vocab_bos, "eos": lc.llama_vocab_eos}[which](self.vocab)
+        return self.piece(tok, special=True).decode("utf-8", errors="replace") if tok >= 0 else ""
+
+    # ------------------------------------------------------------------ KV bookkeeping
+    def pos_min(self) -> int:
+        return lc.llama_memory_seq_pos_min(self.mem, SEQ)
+
+    def can_rewind_to(self, n: int) -> bool:
+        """Whether the KV may be cut back to n tokens and stay exact (sliding-window check)."""
+        if n >= self.n_kv or n == 0 or self.n_swa == 0 or self.config.swa_full:
+            return True
+        # positions the window still needs for a token at n must all be held
+        return self.pos_min() <= max(0, n - self.n_swa)
+
+    def _truncate_kv(self, n: int) -> bool:
+        """Drop KV beyond n tokens; on an unsafe sliding-window rewind drop all. True if kept."""
+        if n >= self.n_kv:
+            return True
+        if self.can_rewind_to(n) and lc.llama_memory_seq_rm(self.mem, SEQ, n, -1):
+            self.n_kv = n
+            return True
+        lc.llama_memory_clear(self.mem, True)
+        self.n_kv = 0
+        return False
+
+    def truncate(self, n: int) -> None:
+        """Cut the history back to its first n tokens (undo, stop strings)."""
+        self.tokens = self.tokens[:n]
+        self._truncate_kv(n)
+
+    def clear(self) -> None:
+        lc.llama_memory_clear(self.mem, True)
+        self.tokens, self.n_kv = [], 0
+
+    def shift_out(self, start: int, count: int) -> None:
+        """Remove tokens [start, start+count) and slide the rest down, recomputing nothing."""
+        if not self.can_shift:
+            raise ModelError("this model's KV cache cannot shift positions; use overflow: rebuild")
+        end = start + count
+        if end > self.n_kv:
+            raise ValueError("shift beyond the evaluated KV")
+        lc.llama_memory_seq_rm(self.mem, SEQ, start, end)
+        lc.llama_memory_seq_add(self.mem, SEQ, end, -1, -count)
+        del self.tokens[start:end]
+        self.n_kv -= count
+
+    # ------------------------------------------------------------------ evaluation
+    def _decode(self, tokens: list[int], start_pos: int, want_logits: bool) -> None:
+        b = self._batch
+        n = len(tokens)
+        for i, tok in enumerate(tokens):
+            b.token[i] = tok
+            b.pos[i] = start_pos + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = SEQ
+            b.logits[i] = 0
+        if want_logits:
+            b.logits[n - 1] = 1
+        b.n_tokens = n
+        rc = lc.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise ModelError(f"llama_decode failed (code {rc}): the KV cache is full or out of memory")
+
+    def prefill(self, prompt: list[int], progress: Callable[[int, int], None] | None = None,
+                cancelled: Callable[[], bool] | None = None) -> PrefillResult:
+        """Make the KV hold `prompt`, evaluating only what it lacks; logits ready for the last token."""
+        t0 = time.perf_counter()
+        if len(prompt) > self.n_ctx:
+            raise ModelError(f"the prompt ({len(prompt)} tokens) is larger than the context ({self.n_ctx})")
+        same = 0
+        limit = min(self.n_kv, len(prompt))
+        while same < limit and self.tokens[same] == prompt[same]:
+            same += 1
+        first_diff = same if same < self.n_kv else -1
+        keep = min(same, len(prompt) - 1)  # the last prompt token is always evaluated for its logits
+        refused = keep < self.n_kv and not self.can_rewind_to(keep)
+        if not self._truncate_kv(keep):
+            keep = 0
+        self.tokens = list(prompt[:keep])
+        pos = keep
+        while pos < len(prompt):
+            if cancelled and cancelled():
+                raise Cancelled()
+            chunk = prompt[pos:pos + self.config.n_batch]
+            self._decode(chunk, pos, want_logits=pos + len(chunk) == len(prompt))
+            pos += len(chunk)
+            self.tokens.extend(chunk)
+            self.n_kv = pos
+            if progress:
+                progress(pos - keep, len(prompt) - keep)
+        return PrefillResult(keep, len(prompt) - keep, time.perf_counter() - t0, first_diff, refused)
+
+    def make_sampler(self, s: SamplingConfig):
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if s.repeat_penalty != 1.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(64, s.repeat_penalty, 0.0, 0.0))
+        if s.temperature <= 0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+            return chain
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(s.top_k))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(s.top_p, 1))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(s.min_p, 1))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(s.temperature))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(s.seed))
+        return chain
+
+    def generate(self, sampler, max_tokens: int, gen: Generation,
+                 cancelled: Callable[[], bool] | None = None) -> Iterator[str]:
+        """Stream reply text after a prefill. Sampled tokens join self.tokens as sampled; the last
+        one stays pending (not yet in the KV) until the next prefill evaluates it."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for i in range(max_tokens):
+            tok = lc.llama_sampler_sample(sampler, self.ctx, -1)
+            if i == 0:
+                gen.first_token_at = time.perf_counter()
+            self.tokens.append(tok)
+            gen.tokens.append(tok)
+            if self.is_eog(tok):
+                gen.stop_reason = "eog"
+                return
+            text = decoder.decode(self.piece(tok))
+            if text:
+                yield text
+            if i == max_tokens - 1:
+                gen.stop_reason = "max_tokens"
+                return
+            if cancelled and cancelled():
+                gen.stop_reason = "cancelled"
+                return
+            if self.n_kv + 1 >= self.n_ctx:
+                gen.stop_reason = "context_full"
+                return
+            self._decode([tok], self.n_kv, want_logits=True)
+            self.n_kv += 1
+        gen.stop_reason = gen.stop_reason or "max_tokens"
+
+    # ------------------------------------------------------------------ counters and state
+    def perf(self) -> dict[str, float]:
+        p = lc.llama_perf_context(self.ctx)
+        return {"prompt_ms": p.t_p_eval_ms, "prompt_n": p.n_p_eval, "eval_ms": p.t_eval_ms, "eval_n": p.n_eval}
+
+    def reset_perf(self) -> None:
+        lc.llama_perf_context_reset(self.ctx)
+
+    def state_bytes(self) -> bytes:
+        """Copy this sequence's KV (the evaluated tokens) out of llama.cpp."""
+        size = lc.llama_state_seq_get_size(self.ctx, SEQ)
+        buf = (ctypes.c_uint8 * size)()
+        written = lc.llama_state_seq_get_data(self.ctx, buf, size, SEQ)
+        return bytes(buf)[:written]
+
+    def load_state(self, data: bytes, tokens: list[int]) -> bool:
+        """Restore a KV copied by state_bytes; the caller has verified it belongs here."""
+        lc.llama_memory_clear(self.mem, True)
+        self.tokens, self.n_kv = [], 0
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if lc.llama_state_seq_set_data(self.ctx, buf, len(data), SEQ) == 0:
+            lc.llama_memory_clear(self.mem, True)
+            return False
+        if lc.llama_memory_seq_pos_max(self.mem, SEQ) != len(tokens) - 1:
+            lc.llama_memory_clear(self.mem, True)
+            return False
+        self.tokens, self.n_kv = list(tokens), len(tokens)
+        return True
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            lc.llama_batch_free(self._batch)
+            lc.llama_free(self.ctx)
+            lc.llama_model_free(self.model)
+            self.ctx = None

