@@ -11,6 +11,7 @@ import codecs
 import ctypes
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -44,6 +45,8 @@ def _init_backend(verbose: bool) -> None:
 
         @lc.llama_log_callback
         def _cb(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+            if text and b"KV buffer size" in text:
+                _KV_LOG.append(text.decode("utf-8", errors="replace"))
             if _VERBOSE[0] and text:
                 log.debug(text.decode("utf-8", errors="replace").rstrip("\n"))
 
@@ -53,6 +56,8 @@ def _init_backend(verbose: bool) -> None:
 
 
 _VERBOSE = [False]
+_KV_LOG: list[str] = []  # llama.cpp's "KV buffer size" lines: what it really allocated
+_KV_LINE = re.compile(r"(\S+) KV buffer size =\s*([\d.]+) MiB")
 
 
 def _cpu_has_amx() -> bool:
@@ -137,7 +142,12 @@ class Engine:
         cparams.type_v = KV_TYPES[config.type_v]
         cparams.swa_full = config.swa_full
         cparams.no_perf = False
+        _KV_LOG.clear()
         self.ctx = lc.llama_init_from_model(self.model, cparams)
+        self.kv_buffers: dict[str, int] = {}  # buffer name (CPU, CUDA0) -> bytes llama.cpp allocated
+        for line in _KV_LOG:
+            if m := _KV_LINE.search(line):
+                self.kv_buffers[m[1]] = self.kv_buffers.get(m[1], 0) + round(float(m[2]) * (1 << 20))
         if not self.ctx:
             lc.llama_model_free(self.model)
             raise ModelError("llama.cpp could not create the context: too little memory for this n_ctx/KV type? "

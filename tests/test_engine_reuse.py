@@ -1,0 +1,94 @@
+"""On real models: every turn evaluates only what it adds, and reuse never changes the output."""
+
+from __future__ import annotations
+
+from localchat.engine import Generation, SamplingConfig
+from tests.conftest import greedy_chat, make_engine
+from tests.test_templates import THINK_STRIPPING
+
+QUESTIONS = ["What is the capital of France?", "And of Germany?", "Name a river there.",
+             "How long is it?", "Thanks, one more fact?", "Bye!"]
+
+
+def _assert_reuse(chat, questions):
+    stats = [chat.turn(q) for q in questions]
+    for st in stats[1:]:
+        assert st.recomputed_tokens <= st.new_tokens + 1, st
+        assert st.cached_tokens + st.recomputed_tokens == st.prompt_tokens
+        # llama.cpp's own counter agrees (it counts a one-token batch as decode, not prompt)
+        assert st.llama_prompt_eval == (st.recomputed_tokens if st.recomputed_tokens > 1 else 0)
+    # token-canonical: the KV holds exactly the transcript's tokens, replies as sampled
+    e = chat.engine
+    assert e.tokens == chat.conv.window_tokens()
+    assert len(e.tokens) - e.n_kv <= 1  # at most the last sampled token is still pending
+    return stats
+
+
+def test_chatml_turns_reuse_the_kv(demo_engine):
+    stats = _assert_reuse(greedy_chat(demo_engine, system="You are brief."), QUESTIONS)
+    assert stats[0].recomputed_tokens == stats[0].prompt_tokens
+    # without overflow: new = prompt - previous prompt - previous reply (DESIGN.md)
+    for prev, st in zip(stats, stats[1:]):
+        assert st.new_tokens == st.prompt_tokens - prev.prompt_tokens - prev.reply_tokens
+
+
+def test_template_that_rewrites_earlier_turns_still_reuses(demo_engine):
+    _assert_reuse(greedy_chat(demo_engine, template=THINK_STRIPPING), QUESTIONS[:5])
+
+
+def test_sliding_window_model_with_fallback_format_reuses(gemma_engine):
+    chat = greedy_chat(gemma_engine, system="A conversation with a helpful assistant.")
+    assert chat.fmt.is_fallback
+    _assert_reuse(chat, QUESTIONS[:5])
+
+
+def test_reuse_changes_speed_never_output(demo_engine):
+    reuse = greedy_chat(demo_engine, system="You are brief.")
+    replies_reuse = [reuse.conv.messages[-1].tokens for q in QUESTIONS[:4] if reuse.turn(q)]
+    fresh = greedy_chat(demo_engine, system="You are brief.")
+    replies_fresh = []
+    for q in QUESTIONS[:4]:
+        demo_engine.clear()  # forget the KV: every turn re-prefills the whole history
+        st = fresh.turn(q)
+        assert st.cached_tokens == 0
+        replies_fresh.append(fresh.conv.messages[-1].tokens)
+    assert replies_reuse == replies_fresh
+
+
+def _greedy(engine, n=24):
+    gen = Generation(tokens=[])
+    list(engine.generate(engine.make_sampler(SamplingConfig(temperature=0)), n, gen))
+    return gen.tokens
+
+
+def test_sliding_window_rewind_deeper_than_the_window_recomputes(gemma_engine):
+    e = gemma_engine
+    words = e.tokenize(" ".join(f"item {i} is {i * 7 % 13}." for i in range(200)), special=False, add_bos=True)
+    long_prompt = words[:900]
+    e.clear()
+    e.prefill(long_prompt)
+    assert e.pos_min() > 0  # the sliding-window layers dropped the oldest positions
+    branch = words[:100] + e.tokenize(" Now a different story begins:", special=False)
+    assert not e.can_rewind_to(100)
+    res = e.prefill(branch)
+    assert res.rewind_refused and res.cached == 0 and res.recomputed == len(branch)
+    reused = _greedy(e)
+    e.clear()
+    e.prefill(branch)
+    assert _greedy(e) == reused
+
+
+def test_swa_full_makes_deep_rewinds_exact_without_recompute(gemma_path):
+    e = make_engine(gemma_path, n_ctx=1024, swa_full=True)
+    try:
+        words = e.tokenize(" ".join(f"item {i} is {i * 7 % 13}." for i in range(200)), special=False, add_bos=True)
+        e.prefill(words[:900])
+        branch = words[:100] + e.tokenize(" Now a different story begins:", special=False)
+        res = e.prefill(branch)
+        assert res.cached == 100 and not res.rewind_refused
+        reused = _greedy(e)
+        e.clear()
+        e.prefill(branch)
+        assert _greedy(e) == reused
+    finally:
+        e.close()

@@ -1,0 +1,87 @@
+"""The memory plan: exact KV arithmetic checked against what llama.cpp allocates, and n_ctx: auto."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from localchat import plan as planmod, profiles
+from localchat.errors import ProfileError
+from localchat.models import model_info
+from tests.conftest import make_engine
+from tests.gguf_writer import llama_shape, write_gguf
+
+
+def test_kv_bytes_per_token_of_the_real_test_models(demo_path, gemma_path):
+    smol = model_info(demo_path)
+    assert smol.kv_bytes_per_token("f16", "f16") == 23_040
+    assert smol.kv_bytes_per_token("q8_0", "q8_0") == 12_240
+    gemma = model_info(gemma_path)
+    # Gemma-3-270M: 18 layers, 1 KV head of 256+256; 15 sliding-window layers (window 512), 3 global
+    assert gemma.n_swa == 512 and sum(gemma.swa_layers) == 15
+    assert gemma.kv_bytes_per_token("f16", "f16", swa=False) == 3 * 1024
+    assert gemma.kv_bytes_per_token("f16", "f16", swa=True) == 15 * 1024
+
+
+@pytest.mark.parametrize("model, kw", [
+    ("demo", dict(n_ctx=2048)),
+    ("demo", dict(n_ctx=3000, type_k="q8_0", type_v="q8_0", flash_attn=True)),
+    ("gemma", dict(n_ctx=4096)),
+    ("gemma", dict(n_ctx=4096, swa_full=True)),
+    ("gemma", dict(n_ctx=2048, type_k="q8_0", type_v="q8_0", flash_attn=True, n_ubatch=256, n_batch=256)),
+])
+def test_plan_kv_matches_what_llama_cpp_allocates(demo_path, gemma_path, model, kw):
+    path = demo_path if model == "demo" else gemma_path
+    engine = make_engine(path, **kw)
+    try:
+        allocated = sum(engine.kv_buffers.values())
+        p = dataclasses.replace(profiles.load("cpu"), **{k: v for k, v in kw.items()})
+        predicted = planmod.make_plan(p, model_info(path)).kv_bytes
+        assert allocated > 0
+        assert abs(predicted - allocated) / allocated < 0.05, (predicted, allocated)
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def llama3_8b(tmp_path):
+    shape = llama_shape(n_layer=32, n_embd=4096, n_head=32, n_kv=8, n_ff=14336, n_vocab=128256, n_ctx_train=131072)
+    return model_info(write_gguf(tmp_path / "llama3-8b-q4km.gguf", **shape))
+
+
+def test_rtx3060_gives_an_8b_q4_model_at_least_32k_context(llama3_8b):
+    p = profiles.load("rtx3060")
+    assert 4.0e9 < llama3_8b.tensor_bytes < 5.5e9
+    plan = planmod.make_plan(p, llama3_8b)
+    assert plan.fits and plan.gpu
+    assert plan.n_ctx >= 32768 and plan.n_ctx % 256 == 0
+    assert plan.type_k == "q8_0" and plan.kv_bytes_per_token == 69_632
+    assert plan.max_ctx["q8_0"] > plan.max_ctx["f16"] > 0
+    assert plan.total_gpu_bytes <= plan.budget_bytes
+
+
+def test_8gb_card_without_room_stops_before_loading_with_the_fix(llama3_8b):
+    p = dataclasses.replace(profiles.load("rtx4060"), n_ctx=131072, type_k="f16", type_v="f16")
+    plan = planmod.make_plan(p, llama3_8b)
+    assert not plan.fits
+    with pytest.raises(ProfileError, match=r"needs .* GiB of GPU memory at n_ctx 131072 .* largest that fits: f16: n_ctx \d+"):
+        planmod.check_fits(plan, p)
+
+
+def test_n_ctx_above_the_trained_context_is_refused(demo_path):
+    p = dataclasses.replace(profiles.load("cpu"), n_ctx=16384)
+    with pytest.raises(ProfileError, match=r"above the model's trained context \(8192\)"):
+        planmod.check_fits(planmod.make_plan(p, model_info(demo_path)), p)
+
+
+def test_auto_context_is_capped_by_the_trained_context(demo_path):
+    p = dataclasses.replace(profiles.load("cpu"), n_ctx="auto")
+    assert planmod.make_plan(p, model_info(demo_path)).n_ctx == 8192
+
+
+def test_plan_json_keys_are_stable(llama3_8b):
+    d = planmod.make_plan(profiles.load("rtx3060"), llama3_8b).to_json()
+    assert set(d) >= {"model", "profile", "gpu", "n_ctx", "n_ctx_train", "type_k", "type_v", "layers_total",
+                      "layers_gpu", "weights_gpu_bytes", "weights_cpu_bytes", "kv_bytes_per_token", "kv_bytes",
+                      "compute_bytes", "total_gpu_bytes", "budget_bytes", "fits", "max_ctx"}
