@@ -76,7 +76,7 @@ class EngineConfig:
     n_ctx: int = 4096
     n_gpu_layers: int = 0
     n_threads: int = 0  # 0: all cores
-    flash_attn: bool = False
+    flash_attn: bool = True
     type_k: str = "f16"
     type_v: str = "f16"
     n_batch: int = 512

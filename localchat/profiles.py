@@ -30,7 +30,7 @@ class Profile:
     n_ctx: int | str = 4096  # or "auto": the largest that fits
     type_k: str = "f16"
     type_v: str = "f16"
-    flash_attn: bool = False
+    flash_attn: bool = True
     swa_full: bool = False
     n_batch: int = 512
     n_ubatch: int = 512

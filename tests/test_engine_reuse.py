@@ -63,8 +63,8 @@ def _greedy(engine, n=24):
 
 def test_sliding_window_rewind_deeper_than_the_window_recomputes(gemma_engine):
     e = gemma_engine
-    words = e.tokenize(" ".join(f"item {i} is {i * 7 % 13}." for i in range(200)), special=False, add_bos=True)
-    long_prompt = words[:900]
+    words = e.tokenize(" ".join(f"item {i} is {i * 7 % 13}." for i in range(300)), special=False, add_bos=True)
+    long_prompt = words[:1500]
     e.clear()
     e.prefill(long_prompt)
     assert e.pos_min() > 0  # the sliding-window layers dropped the oldest positions
@@ -81,7 +81,7 @@ def test_sliding_window_rewind_deeper_than_the_window_recomputes(gemma_engine):
 def test_swa_full_makes_deep_rewinds_exact_without_recompute(gemma_path):
     e = make_engine(gemma_path, n_ctx=1024, swa_full=True)
     try:
-        words = e.tokenize(" ".join(f"item {i} is {i * 7 % 13}." for i in range(200)), special=False, add_bos=True)
+        words = e.tokenize(" ".join(f"item {i} is {i * 7 % 13}." for i in range(300)), special=False, add_bos=True)
         e.prefill(words[:900])
         branch = words[:100] + e.tokenize(" Now a different story begins:", special=False)
         res = e.prefill(branch)
