@@ -42,6 +42,7 @@ class SessionControl:
         self.rt, self.chat, self.store, self.report = rt, rt.chat, store, report
         self.autosave = autosave and store is not None
         self.save_status = "off" if not self.autosave else ""
+        self._failure_told = False
         self.on_status: Callable[[str], None] = lambda s: None
         self.writer = BackgroundWriter(self._set_status)
         self._fp: str | None = None
@@ -60,7 +61,7 @@ class SessionControl:
             if not recent:
                 report("localchat: no session to continue; starting a new one")
             name = recent[0].name if recent else None
-        store = SessionStore(name or auto_name())
+        store = SessionStore(auto_name() if name is None else name)
         store.lock()
         ctl = cls(rt, store, report, autosave=rt.profile.autosave)
         if store.transcript.exists():
@@ -215,8 +216,10 @@ class SessionControl:
                 "state": {"size": header.payload_size, "sha256": header.payload_sha256}}
 
     def _set_status(self, status: str) -> None:
-        if status.startswith("failed") and self.save_status != status:
+        if status.startswith("failed") and not self._failure_told:
             self.report(f"localchat: autosave {status}; the previous save is kept and the chat goes on")
+        if status.startswith("failed") or status == "saved":
+            self._failure_told = status.startswith("failed")  # told once until a save succeeds again
         self.save_status = status
         self.on_status(status)
 

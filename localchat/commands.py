@@ -1,0 +1,183 @@
+"""The subcommands besides the chat: models, plan, sessions, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+from localchat import models, plan as planmod, runtime, statefile
+from localchat.cli import _profile_args, overrides, print_json
+from localchat.errors import ModelError, SessionError
+from localchat.fetch import BUILTIN_MODELS
+from localchat.store import SessionStore, list_sessions
+
+
+def _out(text: str = "") -> None:
+    sys.stdout.write(text + "\n")
+
+
+def _report(text: str) -> None:
+    sys.stderr.write(text + "\n")
+
+
+# ---------------------------------------------------------------- models
+def cmd_models(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="localchat models", description="GGUF models found on this machine")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    rows = []
+    for alias in BUILTIN_MODELS:
+        cached = models.builtin_cached(alias)
+        if cached is None:
+            rows.append({"name": alias, "source": "built-in (fetched on first use)", "path": None})
+    for found in models.discover():
+        row = {"name": found.name, "source": found.source, "path": str(found.path)}
+        try:
+            m = models.model_info(found.path)
+            row.update(arch=m.arch, params=m.n_params, quant=m.quant, size=m.file_size, n_ctx_train=m.n_ctx_train,
+                       kv_bytes_per_token_f16=m.kv_bytes_per_token(), chat_template=m.has_chat_template,
+                       sliding_window=m.n_swa)
+        except ModelError as exc:
+            row["error"] = str(exc)
+        rows.append(row)
+    if args.json:
+        print_json(rows)
+        return 0
+    _out(f"{'name':<36} {'arch':<8} {'params':>7} {'quant':<7} {'size':>8} {'ctx':>7} {'KV B/tok':>9} tmpl  source")
+    for r in rows:
+        if "arch" not in r:
+            _out(f"{r['name']:<36} {r.get('error', r['source'])}")
+            continue
+        _out(f"{r['name'][:36]:<36} {r['arch']:<8} {r['params'] / 1e9:>6.2f}B {r['quant']:<7} "
+             f"{r['size'] / 1e9:>6.2f}GB {r['n_ctx_train']:>7} {r['kv_bytes_per_token_f16']:>9,} "
+             f"{'yes' if r['chat_template'] else 'no ':<5} {r['source']}")
+    return 0
+
+
+# ---------------------------------------------------------------- plan
+def cmd_plan(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="localchat plan", description="memory plan for a profile and a model")
+    _profile_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable; keys documented in README.md")
+    args = p.parse_args(argv)
+    profile = runtime.load_profile(args.profile, overrides(args))
+    info = runtime.resolve_model(profile, _report)
+    profile, warning = runtime.effective_profile(profile)
+    if warning:
+        _report(f"localchat: warning: {warning}")
+    plan = planmod.make_plan(profile, info)
+    if args.json:
+        print_json(plan.to_json())
+    else:
+        _out(f"profile    {profile.name} ({profile.source})")
+        for line in planmod.describe(plan):
+            _out(line)
+    planmod.check_fits(plan, profile)
+    return 0
+
+
+# ---------------------------------------------------------------- sessions
+def _session_row(s: SessionStore) -> dict:
+    m = s.read_meta()
+    conv = s.conversation()
+    return {"name": s.name, "turns": conv.turns, "tokens": m.get("tokens", len(conv.window_tokens())),
+            "model": m.get("model", {}).get("name"), "size": s.size_on_disk(), "last_used": m.get("updated"),
+            "profile": m.get("profile")}
+
+
+def verify_session(s: SessionStore) -> list[str]:
+    """Every check a resume makes, without loading the model. Returns problems (empty: all good)."""
+    problems = []
+    conv = s.conversation()
+    if not conv.messages:
+        problems.append("transcript is empty or unreadable")
+    meta = s.read_meta()
+    if not meta:
+        problems.append("metadata missing or damaged")
+    if not s.state.exists():
+        problems.append("no saved KV state (the next resume rebuilds it from the transcript)")
+        return problems
+    try:
+        header, offset = statefile.read_header(s.state)
+        statefile.read_payload(s.state, header, offset)
+        if header.tokens != conv.window_tokens()[:len(header.tokens)]:
+            raise statefile.StateRejected("the state does not match the transcript")
+        model_path = meta.get("model", {}).get("path")
+        if model_path:
+            from localchat.fingerprint import fingerprint
+            try:
+                if fingerprint(model_path) != header.fingerprint:
+                    raise statefile.StateRejected(f"the model at {model_path} is not the one the state was saved with")
+            except OSError:
+                problems.append(f"model file {model_path} is not there (state kept)")
+    except statefile.StateRejected as exc:
+        problems.append(f"KV state rejected: {exc}")
+    return problems
+
+
+def export_markdown(s: SessionStore) -> str:
+    conv = s.conversation()
+    lines = [f"# {s.name}", ""]
+    if conv.system:
+        lines += [f"**system:** {conv.system}", ""]
+    for m in conv.messages:
+        mark = " (cut)" if m.cut else ""
+        lines += [f"**{m.role}**{mark}:", "", m.content, ""]
+    return "\n".join(lines)
+
+
+def cmd_sessions(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="localchat sessions", description="saved sessions")
+    p.add_argument("action", nargs="?", default="list", choices=("list", "show", "verify", "rm", "export"))
+    p.add_argument("name", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--format", choices=("md", "json"), default="md", help="export format")
+    args = p.parse_args(argv)
+    if args.action == "list":
+        rows = [_session_row(s) for s in list_sessions()]
+        if args.json:
+            print_json(rows)
+        for r in rows if not args.json else []:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["last_used"])) if r["last_used"] else "-"
+            _out(f"{r['name']:<28} {r['turns']:>4} turns {r['tokens']:>7} tok  {r['size'] / 1e6:>8.1f} MB  "
+                 f"{when}  {r['model'] or '-'}")
+        return 0
+    if not args.name:
+        raise SessionError(f"'sessions {args.action}' needs a session name")
+    s = SessionStore(args.name)
+    if not s.exists():
+        raise SessionError(f"no session named '{args.name}' (see 'localchat sessions')")
+    if args.action == "show":
+        row = _session_row(s)
+        if args.json:
+            print_json({**row, "meta": s.read_meta()})
+        else:
+            _out(export_markdown(s))
+    elif args.action == "verify":
+        problems = verify_session(s)
+        if args.json:
+            print_json({"name": s.name, "ok": not problems, "problems": problems})
+        else:
+            _out(f"{s.name}: " + ("all checks pass" if not problems else "; ".join(problems)))
+        return 0 if not problems else 1
+    elif args.action == "rm":
+        s.remove()
+        _out(f"removed session '{s.name}'")
+    elif args.action == "export":
+        if args.format == "json":
+            print_json(s.conversation().to_json())
+        else:
+            _out(export_markdown(s))
+    return 0
+
+
+def cmd_bench(argv: Sequence[str]) -> int:
+    from localchat import bench
+    return bench.main(argv)
+
+
+def run(name: str, argv: Sequence[str]) -> int:
+    return {"models": cmd_models, "plan": cmd_plan, "sessions": cmd_sessions, "bench": cmd_bench}[name](argv)
+

@@ -1,0 +1,254 @@
+"""Sessions on disk, on the real demo model in real processes: resume without recomputing,
+refuse what does not belong, never lose a completed turn."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+
+CHAT = ["--temperature", "0", "--max-tokens", "12"]
+SYSTEM = "You are a terse assistant. " * 8
+
+
+def chat(home, session, lines, *extra, stats=None):
+    args = [*CHAT, "--session", session, "--system", SYSTEM, *extra]
+    if stats:
+        args += ["--stats-json", str(stats)]
+    r = run_cli(args, stdin="".join(line + "\n" for line in lines), env={"LOCALCHAT_HOME": str(home)})
+    return r
+
+
+def stats_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_resume_restores_the_kv_and_reuses_it(home, tmp_path):
+    r = chat(home, "s", ["Hello there", "Tell me a fact"])
+    assert r.returncode == 0, r.stderr
+    stats = tmp_path / "s.jsonl"
+    r = chat(home, "s", ["And another one"], stats=stats)
+    assert r.returncode == 0, r.stderr
+    assert "KV restored from disk" in r.stderr
+    (st,) = stats_of(stats)
+    assert st["turn"] == 3 and st["kv_restored"] is True
+    assert st["recomputed_tokens"] <= st["new_tokens"] + 1
+    assert st["cached_tokens"] > 100
+
+
+def _corrupt_truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[:-1000])
+
+
+def _corrupt_flip(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[-5000] ^= 0x10
+    p.write_bytes(bytes(data))
+
+
+def _corrupt_foreign(p: Path) -> None:
+    p.write_bytes(os.urandom(50_000))
+
+
+def _corrupt_header(p: Path) -> None:
+    data = p.read_bytes()
+    p.write_bytes(data[:8] + b"{not json" + data[17:])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (_corrupt_truncate, "state file is .* bytes, its header says"),
+    (_corrupt_flip, "state payload fails its checksum"),
+    (_corrupt_foreign, "state file has no localchat header"),
+    (_corrupt_header, "state header"),
+])
+def test_damaged_state_is_refused_and_the_chat_goes_on(home, tmp_path, damage, message):
+    assert chat(home, "d", ["Hello there", "Tell me a fact"]).returncode == 0
+    damage(home / "sessions" / "d" / "kv.state")
+    stats = tmp_path / "d.jsonl"
+    r = chat(home, "d", ["Go on"], stats=stats)
+    assert r.returncode == 0, r.stderr
+    import re
+    assert re.search(f"saved KV not used: {message}", r.stderr), r.stderr
+    assert "rebuilding from the transcript" in r.stderr and "KV rebuilt" in r.stderr
+    (st,) = stats_of(stats)
+    assert st["turn"] == 3 and st["kv_restored"] is False
+    assert st["recomputed_tokens"] <= st["new_tokens"] + 1  # rebuilt before the turn
+
+
+def test_state_of_another_model_is_refused(home, tmp_path, gemma_path):
+    assert chat(home, "smol", ["Hello there"]).returncode == 0
+    assert chat(home, "gem", ["Hello there"], "--model", str(gemma_path)).returncode == 0
+    smol = home / "sessions" / "smol" / "kv.state"
+    smol.write_bytes((home / "sessions" / "gem" / "kv.state").read_bytes())
+    r = chat(home, "smol", ["Next"])
+    assert r.returncode == 0
+    assert "saved KV not used: the state was saved with another model" in r.stderr
+
+
+def test_state_of_another_kv_type_is_refused(home):
+    assert chat(home, "k", ["Hello there"]).returncode == 0
+    r = chat(home, "k", ["Next"], "--kv-type", "q8_0")
+    assert r.returncode == 0
+    assert "saved KV not used: the state was saved with type_k=f16, this run uses type_k=q8_0" in r.stderr
+
+
+def test_state_swapped_between_sessions_is_refused(home):
+    assert chat(home, "a", ["Hello there"]).returncode == 0
+    assert chat(home, "b", ["Something else entirely"]).returncode == 0
+    (home / "sessions" / "a" / "kv.state").write_bytes((home / "sessions" / "b" / "kv.state").read_bytes())
+    r = chat(home, "a", ["Next"])
+    assert "saved KV not used: the state does not match the transcript" in r.stderr
+
+
+def test_shared_prefix_cache_starts_a_new_chat_from_the_system_prompt(home, tmp_path):
+    assert chat(home, "first", ["Hello there"]).returncode == 0
+    stats = tmp_path / "p.jsonl"
+    assert chat(home, "second", ["Hi again"], stats=stats).returncode == 0
+    (st,) = stats_of(stats)
+    assert st["prefix_cache_hit"] is True
+    assert st["cached_tokens"] >= 60  # the system prompt and user header came from the snapshot
+
+
+def test_one_process_per_session(home):
+    first = subprocess.Popen([sys.executable, "-m", "localchat", *CHAT, "--session", "busy"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "LOCALCHAT_HOME": str(home)})
+    try:
+        deadline = time.time() + 60
+        while not (home / "sessions" / "busy" / "lock").exists() and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        r = chat(home, "busy", ["Hi"])
+        assert r.returncode == 2
+        assert "session 'busy' is open in another localchat (pid" in r.stderr
+    finally:
+        first.communicate("", timeout=60)
+
+
+@pytest.mark.parametrize("name", ["../escape", "/etc/passwd", "a/b", "..", ".hidden", ""])
+def test_session_names_cannot_escape(home, name):
+    r = run_cli(["--session", name], env={"LOCALCHAT_HOME": str(home)})
+    assert r.returncode == 2 and "invalid session name" in r.stderr
+    assert not (home.parent / "escape").exists()
+
+
+def test_files_are_private_whatever_the_umask(home):
+    r = subprocess.run([sys.executable, "-m", "localchat", *CHAT, "--session", "priv"], input="Hello\n",
+                       capture_output=True, text=True, env={**os.environ, "LOCALCHAT_HOME": str(home)},
+                       preexec_fn=lambda: os.umask(0))
+    assert r.returncode == 0, r.stderr
+    for p in [home, *home.rglob("*")]:
+        mode = stat.S_IMODE(p.stat().st_mode)
+        assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))
+
+
+def test_sessions_command_lists_shows_verifies_exports_and_removes(home):
+    assert chat(home, "one", ["Hello there"]).returncode == 0
+    env = {"LOCALCHAT_HOME": str(home)}
+    rows = json.loads(run_cli(["sessions", "list", "--json"], env=env).stdout)
+    assert rows[0]["name"] == "one" and rows[0]["turns"] == 1 and rows[0]["size"] > 0 and rows[0]["model"]
+    assert "Hello there" in run_cli(["sessions", "show", "one"], env=env).stdout
+    v = run_cli(["sessions", "verify", "one", "--json"], env=env)
+    assert json.loads(v.stdout) == {"name": "one", "ok": True, "problems": []}
+    exported = json.loads(run_cli(["sessions", "export", "one", "--format", "json"], env=env).stdout)
+    assert exported["messages"][0]["content"] == "Hello there"
+    _corrupt_flip(home / "sessions" / "one" / "kv.state")
+    v = run_cli(["sessions", "verify", "one"], env=env)
+    assert v.returncode == 1 and "fails its checksum" in v.stdout
+    assert run_cli(["sessions", "rm", "one"], env=env).returncode == 0
+    assert not (home / "sessions" / "one").exists()
+
+
+def test_disk_budget_prunes_least_recently_used_kv_never_transcripts(home, tmp_path):
+    prof = tmp_path / "small.yaml"
+    prof.write_text("extends: cpu\nmax_kv_disk_gb: 0.004\n")  # ~4 MB: room for about one state
+    for name in ("old", "new"):
+        assert chat(home, name, ["Hello there", "More please"], "--profile", str(prof)).returncode == 0
+        time.sleep(0.05)
+    assert not (home / "sessions" / "old" / "kv.state").exists()
+    assert (home / "sessions" / "old" / "transcript.jsonl").exists()
+    assert (home / "sessions" / "new" / "kv.state").exists()
+
+
+def test_restore_or_prefill_is_chosen_from_measured_speeds(home, tmp_path):
+    assert chat(home, "c", ["Hello there"]).returncode == 0
+    speeds = home / "speeds.json"
+    table = json.loads(speeds.read_text())
+    for key in table:
+        table[key].update(load_bps=1e3, prefill_tps=1e6)  # pretend disks are slow and prefill fast
+    speeds.write_text(json.dumps(table))
+    r = chat(home, "c", ["Next"])
+    assert "chose re-prefill" in r.stderr and "KV rebuilt" in r.stderr
+
+
+def _wait_for(pred, timeout=60.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(0.001)
+    return False
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_kill_9_during_autosave_never_loses_a_turn(home, tmp_path, trial):
+    rng = random.Random(trial)
+    sdir = home / "sessions" / "k"
+    if trial % 2:  # half the trials start from an existing session with a saved state
+        assert chat(home, "k", ["Hello there"]).returncode == 0
+    stats = tmp_path / "k.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "localchat", *CHAT, "--session", "k", "--system", SYSTEM,
+                             "--stats-json", str(stats)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "LOCALCHAT_HOME": str(home)})
+    proc.stdin.write("".join(f"Question number {i}?\n" for i in range(6)))
+    proc.stdin.flush()
+    # kill the moment a state write is under way (its temp file exists), after a random number of saves
+    target = rng.randint(1, 4)
+    seen = 0
+    while seen < target and proc.poll() is None:
+        if _wait_for(lambda: any(p.name.startswith(".kv.state.tmp") for p in sdir.glob(".*")) or proc.poll() is not None):
+            seen += 1
+            if seen < target:
+                _wait_for(lambda: not any(p.name.startswith(".kv.state.tmp") for p in sdir.glob(".*")))
+    time.sleep(rng.random() * 0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    completed = len(stats_of(stats)) + (1 if trial % 2 else 0)
+    # the session opens, every completed turn is there, the KV is valid or rebuilt
+    after = tmp_path / "after.jsonl"
+    r = chat(home, "k", ["After the crash?"], stats=after)
+    assert r.returncode == 0, r.stderr
+    (st,) = stats_of(after)
+    assert st["turn"] >= completed + 1
+    assert st["recomputed_tokens"] <= st["new_tokens"] + 1
+    assert ("KV restored" in r.stderr) or ("KV rebuilt" in r.stderr)
+
+
+def test_a_full_disk_keeps_the_previous_state_and_the_chat_goes_on(home, tmp_path):
+    assert chat(home, "f", ["Hello there"]).returncode == 0
+    before = (home / "sessions" / "f" / "kv.state").read_bytes()
+    stats = tmp_path / "f.jsonl"
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # state files are ~3 MB
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    r = subprocess.run([sys.executable, "-m", "localchat", *CHAT, "--session", "f", "--system", SYSTEM,
+                        "--stats-json", str(stats)], input="One\nTwo\n", capture_output=True, text=True,
+                       env={**os.environ, "LOCALCHAT_HOME": str(home)}, preexec_fn=limit)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("autosave failed") == 1  # told once, not every turn
+    assert len(stats_of(stats)) == 2  # the chat went on
+    assert (home / "sessions" / "f" / "kv.state").read_bytes() == before
+    assert len([m for m in (home / "sessions" / "f" / "transcript.jsonl").read_text().splitlines()]) >= 5
