@@ -35,7 +35,7 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         try:
             if sys.stdin.isatty() and sys.stdout.isatty():
                 from localchat import repl
-                repl.run(rt, ctl, after_turn)
+                repl.run(ctl, after_turn)
             else:
                 from localchat import lineui
                 lineui.run_lines(ctl, after_turn)

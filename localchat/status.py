@@ -50,33 +50,30 @@ def summary_line(st: TurnStats) -> str:
 
 
 def toolbar(s: BarState) -> Fragments:
-    """The bottom bar as prompt_toolkit style fragments."""
+    """The bottom bar as prompt_toolkit style fragments, most telling first (narrow terminals cut the end)."""
     pct = 100 * s.ctx_used / s.n_ctx if s.n_ctx else 0
-    kv_mib = s.ctx_used * s.kv_bytes_per_token
-    frags: Fragments = [
-        ("class:bar.profile", f" {s.profile} "),
-        ("class:bar", f" {s.model} "),
-        ("class:bar", f"| GPU {s.layers_gpu}/{s.layers_total} " if s.layers_gpu else "| CPU "),
-        ("class:bar", f"| ctx {s.ctx_used}/{s.n_ctx} ({pct:.0f}%) "),
-        ("class:bar", f"| KV {s.kv_type} {_mib(kv_mib)} "),
-    ]
+    frags: Fragments = [("class:bar.profile", f" {s.profile} ")]
     if s.phase in ("prefill", "rebuilding"):
         done, total = s.progress
-        frags.append(("class:bar.busy", f"| {s.phase} {done}/{total} "))
+        frags.append(("class:bar.busy", f" {s.phase} {done}/{total} |"))
     elif s.phase == "generating":
-        frags.append(("class:bar.busy", f"| generating {s.live_tokens} "))
+        frags.append(("class:bar.busy", f" generating {s.live_tokens} |"))
     st = s.last
     if st is not None:
         style = "class:bar.miss" if st.cache_miss else "class:bar.hit"
-        frags += [
-            (style, f"| cached {st.cached_tokens} recomputed {st.recomputed_tokens} "),
-            ("class:bar", f"| TTFT {st.ttft_s:.2f}s | {st.decode_tps:.1f} tok/s "),
-        ]
+        frags += [(style, f" cached {st.cached_tokens} recomputed {st.recomputed_tokens} "),
+                  ("class:bar", f"| TTFT {st.ttft_s:.2f}s | {st.decode_tps:.1f} tok/s ")]
+        if st.cache_miss and st.miss_cause:
+            frags.append(("class:bar.miss", f"| MISS: {st.miss_cause} "))
         if st.shifted_tokens or st.turns_left_window:
             frags.append(("class:bar.warn", f"| {st.turns_left_window} turns ({st.tokens_left_window} tok) "
                                             "left the window "))
-        if st.cache_miss and st.miss_cause:
-            frags.append(("class:bar.miss", f"| MISS: {st.miss_cause} "))
+    frags += [
+        ("class:bar", f"| ctx {s.ctx_used}/{s.n_ctx} ({pct:.0f}%) "),
+        ("class:bar", f"| KV {s.kv_type} {_mib(s.ctx_used * s.kv_bytes_per_token)} "),
+        ("class:bar", f"| GPU {s.layers_gpu}/{s.layers_total} " if s.layers_gpu else "| CPU "),
+        ("class:bar", f"| {s.model} "),
+    ]
     if s.autosave:
         style = "class:bar.miss" if s.autosave.startswith("failed") else "class:bar"
         frags.append((style, f"| autosave {s.autosave} "))

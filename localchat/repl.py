@@ -1,0 +1,231 @@
+"""The terminal UI: prompt_toolkit input with history, a live status bar, streamed replies.
+
+A reply is generated in a worker thread (llama.cpp releases the GIL) while a small
+application shows the reply as it grows, a type-ahead line and the status bar; when the
+reply ends it is printed into the scrollback and the prompt comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from typing import Callable
+
+from prompt_toolkit import PromptSession
+from prompt_toolkit.application import Application
+from prompt_toolkit.buffer import Buffer
+from prompt_toolkit.formatted_text import FormattedText
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+from prompt_toolkit.input import Input
+from prompt_toolkit.key_binding import KeyBindings
+from prompt_toolkit.layout import HSplit, Layout, Window
+from prompt_toolkit.layout.controls import BufferControl, FormattedTextControl
+from prompt_toolkit.output import Output
+from prompt_toolkit.shortcuts import print_formatted_text
+from prompt_toolkit.styles import Style
+
+from localchat import slash, status
+from localchat.errors import LocalchatError
+from localchat.sessionctl import SessionControl
+from localchat.stats import TurnStats
+
+STYLE = Style.from_dict({
+    "bottom-toolbar": "noreverse bg:#222222 #cccccc",
+    "bar": "bg:#222222 #cccccc",
+    "bar.profile": "bg:#005f87 #ffffff bold",
+    "bar.hit": "bg:#222222 #5fd75f bold",
+    "bar.miss": "bg:#222222 #ff5f5f bold",
+    "bar.warn": "bg:#222222 #ffaf00",
+    "bar.busy": "bg:#222222 #87afff",
+    "prompt": "#5fafff bold",
+    "cut": "#ff5f5f italic",
+    "info": "#888888",
+})
+
+AfterTurn = Callable[[TurnStats], None]
+
+
+def bar_state(ctl: SessionControl) -> status.BarState:
+    rt = ctl.rt
+    return status.BarState(
+        profile=rt.profile.name, model=rt.model.name[:24], layers_gpu=rt.plan.layers_gpu if rt.plan.gpu else 0,
+        layers_total=rt.plan.layers_total, n_ctx=rt.engine.n_ctx, ctx_used=len(rt.engine.tokens),
+        kv_type=rt.engine.config.type_k if rt.engine.config.type_k == rt.engine.config.type_v
+        else f"{rt.engine.config.type_k}/{rt.engine.config.type_v}",
+        kv_bytes_per_token=rt.model.kv_bytes_per_token(rt.engine.config.type_k, rt.engine.config.type_v),
+        autosave=ctl.save_status)
+
+
+def _history(ctl: SessionControl) -> History:
+    if ctl.store is None:
+        return InMemoryHistory()
+    path = ctl.store.dir / "input_history"
+    if not path.exists():
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    return FileHistory(str(path))
+
+
+class Repl:
+    def __init__(self, ctl: SessionControl, after_turn: AfterTurn, input: Input | None = None,
+                 output: Output | None = None):
+        self.ctl, self.after_turn = ctl, after_turn
+        self.input, self.output = input, output
+        self.bar = bar_state(ctl)
+        self.reply = ""
+        self.cancel = threading.Event()
+        self._app: Application | None = None
+        ctl.on_status = self._on_save_status
+        self.session: PromptSession = self._prompt_session()
+
+    # ------------------------------------------------------------ pieces
+    def _on_save_status(self, s: str) -> None:
+        self.bar.autosave = s
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        if self._app is not None and self._app.is_running:
+            self._app.invalidate()
+
+    def _toolbar(self) -> FormattedText:
+        return FormattedText(status.toolbar(self.bar))
+
+    def _prompt_session(self) -> PromptSession:
+        kb = KeyBindings()
+
+        @kb.add("c-c")
+        def _(event) -> None:  # Ctrl-C at the prompt clears the line
+            event.current_buffer.reset()
+
+        @kb.add("escape", "enter")
+        def _(event) -> None:
+            event.current_buffer.insert_text("\n")
+
+        return PromptSession(history=_history(self.ctl), key_bindings=kb, multiline=False,
+                             bottom_toolbar=self._toolbar, style=STYLE, input=self.input, output=self.output,
+                             refresh_interval=0.5, enable_history_search=False)
+
+    def print(self, text: str, style: str = "") -> None:
+        print_formatted_text(FormattedText([(style, text)]), style=STYLE, output=self.output)
+
+    # ------------------------------------------------------------ a turn
+    def _reply_view(self) -> FormattedText:
+        lines = self.reply.split("\n")
+        rows = max(3, (self.output.get_size().rows if self.output else 24) - 3)
+        return FormattedText([("", "\n".join(lines[-rows:]))])
+
+    async def _run_turn(self, job: Callable[[Callable[[str], None], Callable[[], bool]], TurnStats | str | None],
+                        typeahead: Buffer) -> TurnStats | str | None:
+        """Run job in a worker thread under a live view; Ctrl-C stops it and keeps what came."""
+        self.reply, self.bar.phase, self.bar.live_tokens = "", "prefill", 0
+        self.cancel.clear()
+        kb = KeyBindings()
+
+        @kb.add("c-c")
+        def _(event) -> None:
+            self.cancel.set()
+            self.bar.notice = "stopping..."
+
+        @kb.add("c-d")
+        def _(event) -> None:
+            self.cancel.set()
+
+        def emit(text: str) -> None:
+            self.reply += text
+            self.bar.phase = "generating"
+            self.bar.ctx_used = len(self.ctl.rt.engine.tokens)
+            self.bar.live_tokens += 1
+            self._invalidate()
+
+        def progress(done: int, total: int) -> None:
+            self.bar.progress = (done, total)
+            self._invalidate()
+
+        layout = Layout(HSplit([
+            Window(FormattedTextControl(self._reply_view), wrap_lines=True),
+            Window(BufferControl(typeahead), height=1),
+            Window(FormattedTextControl(self._toolbar), height=1, style="class:bottom-toolbar"),
+        ]), focused_element=typeahead)
+        app: Application = Application(layout=layout, key_bindings=kb, style=STYLE, input=self.input,
+                                       output=self.output, erase_when_done=True, min_redraw_interval=0.05)
+        self._app = app
+        loop = asyncio.get_running_loop()
+        result: dict = {}
+
+        def work() -> None:
+            try:
+                result["value"] = job(emit, self.cancel.is_set, progress)
+            except BaseException as exc:  # handed to the UI thread
+                result["error"] = exc
+            finally:
+                loop.call_soon_threadsafe(lambda: app.exit() if app.is_running else None)
+
+        threading.Thread(target=work, name="localchat-turn", daemon=True).start()
+        await app.run_async()
+        self._app, self.bar.phase, self.bar.notice = None, "", ""
+        if "error" in result:
+            raise result["error"]
+        return result.get("value")
+
+    def _show_reply(self, st: TurnStats | None) -> None:
+        self.print(self.reply)
+        if st is not None and st.cut:
+            self.print(f"[reply cut: {st.stop_reason}]", "class:cut")
+
+    def _finish_turn(self, st: TurnStats) -> None:
+        self._show_reply(st)
+        self.after_turn(st)
+        self.bar.last, self.bar.ctx_used = st, st.ctx_used
+        self.bar.autosave = self.ctl.save_status
+
+    # ------------------------------------------------------------ the loop
+    async def run_async(self) -> None:
+        self.print(f"localchat: {self.ctl.rt.model.name} | /help for commands, Ctrl-D to quit", "class:info")
+        pending = ""
+        while True:
+            try:
+                line = await self.session.prompt_async(FormattedText([("class:prompt", "> ")]), default=pending)
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                pending = ""
+                continue
+            pending = ""
+            if not line.strip():
+                continue
+            typeahead = Buffer()
+            try:
+                if line.startswith("/"):
+                    out = await self._command(line, typeahead)
+                    if out:
+                        self.print(out, "class:info")
+                else:
+                    st = await self._run_turn(lambda emit, cancelled, progress: self.ctl.turn(
+                        line, emit, cancelled, progress), typeahead)
+                    if isinstance(st, TurnStats):
+                        self._finish_turn(st)
+            except slash.Quit:
+                break
+            except LocalchatError as exc:
+                self.print(f"localchat: {exc}", "class:cut")
+            pending = typeahead.text
+        self.print("saving...", "class:info")
+
+    async def _command(self, line: str, typeahead: Buffer) -> str:
+        if line.split()[0] == "/retry":
+            def job(emit, cancelled, progress):
+                return self.ctl.chat.retry(emit, cancelled)
+            st = await self._run_turn(job, typeahead)
+            if st is None:
+                return "nothing to retry"
+            self._finish_turn(st)
+            return ""
+        ctx = slash.CommandContext(self.ctl, self.print, self.cancel.is_set, self.after_turn)
+        out = slash.dispatch(ctx, line)
+        self.bar = bar_state(self.ctl) if line.split()[0] in ("/new", "/load") else self.bar
+        self.bar.ctx_used = len(self.ctl.rt.engine.tokens)
+        return out
+
+
+def run(ctl: SessionControl, after_turn: AfterTurn, input: Input | None = None, output: Output | None = None) -> None:
+    asyncio.run(Repl(ctl, after_turn, input, output).run_async())
