@@ -1,0 +1,182 @@
+"""The terminal UI in-process on the real demo model: prompt_toolkit pipe input, dummy output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+
+from localchat import runtime, status
+from localchat.repl import Repl
+from localchat.sessionctl import SessionControl
+from localchat.store import SessionStore
+
+ENTER, CTRL_C, CTRL_D, ALT_ENTER = "\r", "\x03", "\x04", "\x1b\r"
+
+
+class Harness:
+    def __init__(self, home, max_tokens=12, session="ui"):
+        profile = runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": max_tokens, "n_ctx": 2048})
+        self.rt = runtime.open_runtime(profile, lambda t: None)
+        store = SessionStore(session)
+        store.lock()
+        self.ctl = SessionControl(self.rt, store, lambda t: None, autosave=True)
+        self.stats: list[dict] = []
+        self.printed: list[str] = []
+        self._pipe = create_pipe_input()
+        self.inp = self._pipe.__enter__()
+
+        def after_turn(st):
+            self.ctl.after_turn(st)
+            self.stats.append(st.to_json())
+
+        self.repl = Repl(self.ctl, after_turn, input=self.inp, output=DummyOutput())
+        self.repl.print = lambda text, style="": self.printed.append(text)
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.repl.run_async()), daemon=True)
+        self.thread.start()
+
+    def type(self, text: str) -> None:
+        self.inp.send_text(text)
+
+    def wait(self, pred, timeout=60.0) -> None:
+        deadline = time.time() + timeout
+        while not pred():
+            assert time.time() < deadline, "timed out"
+            time.sleep(0.02)
+
+    def say(self, text: str) -> dict:
+        n = len(self.stats)
+        self.wait(lambda: self.repl.session.app.is_running)
+        self.type(text + ENTER)
+        self.wait(lambda: len(self.stats) > n)
+        return self.stats[-1]
+
+    def command(self, text: str) -> str:
+        n = len(self.printed)
+        self.wait(lambda: self.repl.session.app.is_running)
+        self.type(text + ENTER)
+        self.wait(lambda: len(self.printed) > n and self.repl.session.app.is_running)
+        return "\n".join(self.printed[n:])
+
+    def close(self) -> None:
+        self.wait(lambda: self.repl.session.app.is_running)
+        self.type(CTRL_D)
+        self.thread.join(60)
+        self.ctl.close()
+        self._pipe.__exit__(None, None, None)
+        self.rt.close()
+
+
+@pytest.fixture
+def ui(home, demo_path):
+    h = Harness(home)
+    yield h
+    if h.thread.is_alive():
+        h.close()
+
+
+def test_status_bar_shows_the_same_numbers_as_stats_json(ui):
+    ui.say("Hello there")
+    st = ui.say("Tell me a fact")
+    bar = status.toolbar_text(ui.repl.bar)
+    assert f"cached {st['cached_tokens']} recomputed {st['recomputed_tokens']}" in bar
+    assert f"TTFT {st['ttft_s']:.2f}s" in bar and f"{st['decode_tps']:.1f} tok/s" in bar
+    assert f"ctx {st['ctx_used']}/{st['n_ctx']}" in bar
+    assert st["recomputed_tokens"] <= st["new_tokens"] + 1
+
+
+def test_unknown_command_gets_a_hint_and_reaches_no_model(ui):
+    ui.say("Hello there")
+    before = list(ui.rt.engine.tokens)
+    out = ui.command("/stast")
+    assert "unknown command /stast; did you mean /stats?" in out
+    assert ui.rt.engine.tokens == before and len(ui.stats) == 1
+
+
+def test_help_stats_cache_profile_sessions_system(ui):
+    ui.say("Hello there")
+    assert "/retry" in ui.command("/help") and "/undo" in ui.command("/help")
+    table = ui.command("/stats")
+    assert "cached" in table and "recomp" in table and "\n    1 " in table
+    assert "KV holds" in ui.command("/cache") and "prefix snapshots" in ui.command("/cache")
+    assert "largest n_ctx that fits" in ui.command("/profile")
+    assert "ui" in ui.command("/sessions")
+    assert "system prompt set" in ui.command("/system Answer in French.")
+    st = ui.say("Bonjour")
+    assert st["miss_cause"] == "system prompt changed"
+
+
+def test_undo_rewinds_the_kv_without_recomputing(ui):
+    ui.say("Hello there")
+    keep = list(ui.rt.engine.tokens)
+    ui.say("Tell me a fact")
+    assert "KV rewound, nothing recomputed" in ui.command("/undo")
+    assert ui.rt.engine.tokens == keep
+    st = ui.say("Tell me something else")
+    assert st["turn"] == 2 and st["recomputed_tokens"] <= st["new_tokens"] + 1
+
+
+def test_retry_regenerates_the_last_reply(ui):
+    ui.say("Hello there")
+    n = len(ui.stats)
+    ui.wait(lambda: ui.repl.session.app.is_running)
+    ui.type("/retry" + ENTER)
+    ui.wait(lambda: len(ui.stats) > n)
+    st = ui.stats[-1]
+    assert st["turn"] == 1 and ui.ctl.chat.conv.turns == 1
+
+
+def test_save_load_new_and_pin(ui, home):
+    ui.say("Hello there")
+    assert "saved session 'named'" in ui.command("/save named")
+    assert (home / "sessions" / "named" / "kv.state").exists()
+    assert "new chat" in ui.command("/new")
+    assert ui.ctl.chat.conv.turns == 0
+    out = ui.command("/load named")
+    assert "KV restored" in out and ui.ctl.chat.conv.turns == 1
+    assert "pinned" in ui.command("/pin")
+    assert ui.ctl.chat.conv.messages[0].pinned
+
+
+def test_keys_ctrl_c_clears_the_line_and_alt_enter_adds_a_line(ui):
+    ui.wait(lambda: ui.repl.session.app.is_running)
+    ui.type("this is never sent")
+    ui.type(CTRL_C)
+    ui.wait(lambda: ui.repl.session.default_buffer.text == "")
+    st = ui.say("first line" + ALT_ENTER + "second line")
+    assert ui.ctl.chat.conv.messages[0].content == "first line\nsecond line"
+    assert st["turn"] == 1 and len(ui.stats) == 1
+
+
+def test_ctrl_c_mid_reply_keeps_the_partial_reply_and_the_kv(home, demo_path):
+    h = Harness(home, max_tokens=400, session="cut")
+    try:
+        h.wait(lambda: h.repl.session.app.is_running)
+        h.type("Write a long story about a dragon." + ENTER)
+        h.wait(lambda: h.repl.bar.live_tokens > 5)
+        h.type(CTRL_C)
+        h.wait(lambda: len(h.stats) == 1)
+        st = h.stats[0]
+        assert st["cut"] and st["stop_reason"] == "cancelled" and 5 <= st["reply_tokens"] < 400
+        reply = h.ctl.chat.conv.messages[-1]
+        assert reply.cut and reply.content and "[reply cut: cancelled]" in h.printed
+        assert h.rt.engine.tokens == h.ctl.chat.conv.window_tokens()
+        st2 = h.say("Thanks")
+        assert st2["recomputed_tokens"] <= st2["new_tokens"] + 1
+    finally:
+        h.close()
+
+
+def test_ctrl_d_exits_after_the_autosave_completes(home, demo_path):
+    h = Harness(home, session="bye")
+    h.say("Hello there")
+    h.close()
+    assert not h.thread.is_alive()
+    meta = json.loads((home / "sessions" / "bye" / "meta.json").read_text())
+    assert meta["turns"] == 1
+    assert (home / "sessions" / "bye" / "kv.state").stat().st_size > 0

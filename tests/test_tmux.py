@@ -1,0 +1,76 @@
+"""End to end in a real terminal: localchat under tmux on the real demo model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import uuid
+
+
+
+
+class Tmux:
+    def __init__(self, command: str, env: dict[str, str]):
+        self.name = f"lc-{uuid.uuid4().hex[:8]}"
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "200", "-y", "40",
+                        f"env {exports} {command}"], check=True)
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+
+    def screen(self) -> str:
+        return subprocess.run(["tmux", "capture-pane", "-t", self.name, "-p"], capture_output=True, text=True).stdout
+
+    def wait_for(self, pred, timeout=60.0) -> str:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            text = self.screen()
+            if pred(text):
+                return text
+            time.sleep(0.1)
+        raise AssertionError("timed out; screen:\n" + self.screen())
+
+    def kill(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+
+
+def test_two_turns_status_bar_and_ctrl_c_in_a_real_terminal(home, tmp_path, demo_path):
+    stats = tmp_path / "stats.jsonl"
+    cmd = (f"{shlex.quote(sys.executable)} -m localchat --temperature 0 --max-tokens 300 --session tm "
+           f"--stats-json {shlex.quote(str(stats))}")
+    env = {"LOCALCHAT_HOME": str(home), "PYTHONPATH": os.getcwd(), "TERM": "xterm-256color"}
+    if os.environ.get("LOCALCHAT_MODELS"):
+        env["LOCALCHAT_MODELS"] = os.environ["LOCALCHAT_MODELS"]
+    t = Tmux(cmd, env)
+    read = lambda: [json.loads(x) for x in stats.read_text().splitlines()] if stats.exists() else []  # noqa: E731
+    try:
+        t.wait_for(lambda s: "/help for commands" in s and "\n>" in s)
+        t.keys("Say hello in one short sentence.", "Enter")
+        t.wait_for(lambda s: len(read()) == 1)
+        t.keys("Now say goodbye.", "Enter")
+        t.wait_for(lambda s: len(read()) == 2)
+        st = read()[1]
+        screen = t.wait_for(lambda s: f"cached {st['cached_tokens']} recomputed {st['recomputed_tokens']}" in s)
+        assert st["cached_tokens"] > 0 and st["recomputed_tokens"] <= st["new_tokens"] + 1
+        assert f"ctx {st['ctx_used']}/{st['n_ctx']}" in screen
+        # Ctrl-C mid-reply: the partial reply stays, the KV stays consistent
+        t.keys("Write a very long story about a dragon and a knight.", "Enter")
+        t.wait_for(lambda s: "generating" in s)
+        time.sleep(0.5)
+        t.keys("C-c")
+        screen = t.wait_for(lambda s: "[reply cut: cancelled]" in s)
+        cut = read()[2]
+        assert cut["cut"] and cut["reply_tokens"] < 300
+        t.keys("Thanks.", "Enter")
+        t.wait_for(lambda s: len(read()) == 4)
+        after = read()[3]
+        assert after["recomputed_tokens"] <= after["new_tokens"] + 1
+        t.keys("C-d")
+        t.wait_for(lambda s: "saving" in s or s.strip() == "", timeout=30)
+    finally:
+        t.kill()
