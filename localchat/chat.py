@@ -116,7 +116,10 @@ class ChatSession:
         if not chosen:
             return
         in_sync = e.tokens[:e.n_kv] == window[:e.n_kv] and e.n_kv >= chosen[-1][2]
-        if self.overflow == "shift" and e.can_shift and in_sync:
+        # a sliding-window cache holds only recent positions: after the shift, the window of the
+        # next token must fall inside the kept tail, or its oldest positions would be missing
+        window_safe = not e.n_swa or e.config.swa_full or e.n_kv - chosen[-1][2] >= e.n_swa
+        if self.overflow == "shift" and e.can_shift and in_sync and window_safe:
             for _, start, end in reversed(chosen):
                 e.shift_out(start, end - start)
         self.conv.evict([c[0] for c in chosen], freed)
@@ -132,12 +135,12 @@ class ChatSession:
         if not self.conv.prefix:
             self.set_system(self.conv.system, cause="")
         head, body = self._delta(text)
-        new_len = len(head) + len(body) + (len(self.conv.prefix) if not self.conv.messages else 0)
         if len(self.conv.prefix) + len(body) + 1 > e.n_ctx:
             raise ContextFullError(f"this message ({len(body)} tokens) does not fit in the context "
                                    f"({e.n_ctx} tokens); shorten it or raise --ctx")
         self._make_room(len(head) + len(body) + self.settings.max_tokens, st)
         head, body = self._delta(text)  # the head depends on whether anything is left in the window
+        new_len = len(head) + len(body) + (len(self.conv.prefix) if not self.conv.messages else 0)
         self._record(self.conv.add_user(text, head, body))
         prompt = self.conv.window_tokens()
         n_kv_before = e.n_kv

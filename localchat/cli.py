@@ -45,12 +45,13 @@ def chat_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--continue", dest="resume_last", action="store_true", help="resume the most recent session")
     p.add_argument("--no-autosave", action="store_true", help="save only on /save")
     p.add_argument("--no-session", action="store_true", help="keep nothing on disk")
+    p.add_argument("--overflow", choices=("auto", "shift", "rebuild", "stop"), help="when the context fills")
     return p
 
 
 def overrides(args: argparse.Namespace) -> dict:
     o = {k: getattr(args, k, None) for k in ("model", "n_ctx", "n_gpu_layers", "flash_attn", "n_threads",
-                                              "system", "max_tokens", "temperature", "seed")}
+                                              "system", "max_tokens", "temperature", "seed", "overflow")}
     if getattr(args, "kv_type", None):
         o["type_k"] = o["type_v"] = args.kv_type
     if getattr(args, "no_autosave", False):
