@@ -1,0 +1,327 @@
+"""`localchat bench`: the reference multi-turn workload, side by side in one process.
+
+Modes: `localchat` (the real engine path: template delta, stats, autosave on), `recompute`
+(every turn re-prefills the whole history), `raw` (plain llama-cpp-python prefix reuse of the
+same tokens), `resume` (the process state dropped after turn 4 and restored from disk, the
+re-prefill alternative timed too), and `server` (llama.cpp's llama-server with cache_prompt,
+TTFT taken at the client) with --peer-server. All modes replay the token sequences of the
+`localchat` run, so they do identical work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import psutil
+
+from localchat import runtime
+from localchat.chat import ChatSession
+from localchat.cli import _profile_args, overrides
+from localchat.engine import Engine, Generation, SamplingConfig, llama_version
+from localchat.peer import PeerServer, run_llama_bench
+from localchat.sessionctl import SessionControl
+from localchat.store import SessionStore
+
+FILLER = ("The history of bread begins with wild grains ground on stones, baked on hot ashes, and shared "
+          "among families who learned that a little old dough makes the next loaf rise. ")
+
+
+@dataclass
+class Row:
+    mode: str
+    kv: str
+    turn: int
+    prompt_tokens: int
+    recomputed_tokens: int
+    ttft_s: float
+    prefill_s: float
+    decode_tps: float
+    wall_s: float = 0.0
+    save_s: float = 0.0
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    fill = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {label:<40}")
+    sys.stderr.flush()
+
+
+def _text_of(engine: Engine, n_tokens: int, salt: str) -> str:
+    """Text that tokenizes to about n_tokens tokens."""
+    toks = engine.tokenize((salt + " " + FILLER) * (n_tokens // 20 + 2), special=False)[:n_tokens]
+    return engine.detokenize(toks)
+
+
+def _anon_rss() -> int:
+    m = psutil.Process().memory_info()
+    return m.rss - m.shared
+
+
+def run_localchat(rt: runtime.Runtime, args, users: list[str], home: Path, kv: str, progress) -> dict:
+    """The real engine path with autosave on; records every prompt for the other modes."""
+    store = SessionStore(f"bench-{kv}", home / "sessions")
+    store.lock()
+    ctl = SessionControl(rt, store, lambda t: None, autosave=True)
+    rows, prompts, replies = [], [], []
+    rss0 = _anon_rss()
+    peak = rss0
+    resume = {}
+    for i, text in enumerate(users, 1):
+        if i == args.turns // 2 + 1:
+            ctl.writer.wait()
+            resume = _resume(rt, ctl, store)
+        t0 = time.perf_counter()
+        st = ctl.turn(text)
+        prompts.append(ctl.chat.conv.window_tokens()[:st.prompt_tokens])
+        replies.append(st.reply_tokens)
+        ctl.after_turn(st)
+        wall = time.perf_counter() - t0
+        rows.append(Row("resume" if resume else "localchat", kv, i, st.prompt_tokens, st.recomputed_tokens,
+                        st.ttft_s, st.prefill_s, st.decode_tps, wall, st.save_s))
+        peak = max(peak, _anon_rss())
+        progress(f"localchat {kv} turn {i}")
+    ctl.writer.wait()
+    state_size = store.state.stat().st_size
+    ctl.close()
+    return {"rows": rows, "prompts": prompts, "replies": replies, "resume": resume, "state_bytes": state_size,
+            "host_overhead_bytes": peak - rss0}
+
+
+def _resume(rt: runtime.Runtime, ctl: SessionControl, store: SessionStore) -> dict:
+    """Drop the KV (as a new process would have none), time both ways back, then resume for real."""
+    engine = rt.engine
+    window = ctl.chat.conv.window_tokens()
+    engine.clear()
+    t0 = time.perf_counter()
+    engine.prefill(window)
+    prefill_s = time.perf_counter() - t0
+    engine.clear()
+    ctl.chat.conv = store.conversation()
+    t0 = time.perf_counter()
+    ctl.resume()
+    resume_s = time.perf_counter() - t0
+    chose_restore = ctl.chat.kv_restored
+    t0 = time.perf_counter()
+    from localchat import statefile
+    header, offset = statefile.read_header(store.state)
+    payload = statefile.read_payload(store.state, header, offset)
+    engine.load_state(payload, header.tokens)
+    load_s = time.perf_counter() - t0
+    ctl.chat.kv_restored = True
+    faster = "restore" if load_s < prefill_s else "re-prefill"
+    chosen = "restore" if chose_restore else "re-prefill"
+    return {"tokens": len(window), "state_bytes": header.payload_size, "load_s": load_s, "reprefill_s": prefill_s,
+            "chosen": chosen, "faster": faster, "resume_s": resume_s, "note": ctl.restore_note,
+            "chosen_within_10pct": chosen == faster or min(load_s, prefill_s) * 1.1 >= max(load_s, prefill_s)}
+
+
+def run_recompute(engine: Engine, prompts: list[list[int]], replies: list[int], kv: str, progress) -> list[Row]:
+    rows = []
+    sampler = engine.make_sampler(SamplingConfig(temperature=0))
+    for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
+        engine.clear()
+        engine.reset_perf()
+        t0 = time.perf_counter()
+        pre = engine.prefill(prompt)
+        gen = Generation(tokens=[])
+        for _ in engine.generate(sampler, max(n, 1), gen):
+            pass
+        perf = engine.perf()
+        tps = perf["eval_n"] / (perf["eval_ms"] / 1000) if perf["eval_ms"] else 0.0
+        rows.append(Row("recompute", kv, i, len(prompt), pre.recomputed, gen.first_token_at - t0, pre.seconds, tps,
+                        time.perf_counter() - t0))
+        progress(f"recompute {kv} turn {i}")
+    engine.clear()
+    return rows
+
+
+def run_raw(config, prompts: list[list[int]], replies: list[int], kv: str, progress) -> list[Row]:
+    from localchat.rawbaseline import RawLlama
+    raw = RawLlama(config)
+    rows = []
+    try:
+        for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
+            ttft, tps, evaluated = raw.turn(prompt, max(n, 1))
+            rows.append(Row("raw", kv, i, len(prompt), evaluated, ttft, 0.0, tps))
+            progress(f"raw llama-cpp-python {kv} turn {i}")
+    finally:
+        raw.close()
+    return rows
+
+
+def run_server(path: str, config, prompts, replies, kv: str, progress) -> list[Row]:
+    rows = []
+    with PeerServer(path, config) as server:
+        for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
+            r = server.completion(prompt, max(n, 1))
+            rows.append(Row("server", kv, i, len(prompt), r["prompt_n"], r["ttft_s"], r["prompt_ms"] / 1000,
+                            r["decode_tps"]))
+            progress(f"llama-server {kv} turn {i}")
+    return rows
+
+
+def _by(rows: list[Row], mode: str) -> list[Row]:
+    return [r for r in rows if r.mode == mode]
+
+
+def summarize(result: dict) -> list[str]:
+    lines = []
+    for kv, part in result["kv"].items():
+        rows = [Row(**r) for r in part["rows"]]
+        lines.append(f"\nKV {kv}: per turn (prompt tokens / recomputed / TTFT s / decode tok/s)")
+        modes = [m for m in ("recompute", "localchat", "resume", "raw", "server") if _by(rows, m)]
+        lines.append(" turn  prompt | " + " | ".join(f"{m:^27}" for m in modes))
+        turns = sorted({r.turn for r in rows})
+        for t in turns:
+            cells = []
+            for m in modes:
+                r = next((x for x in rows if x.mode == m and x.turn == t), None)
+                cells.append(f"{r.recomputed_tokens:>6} {r.ttft_s:>8.3f} {r.decode_tps:>8.1f}   " if r else " " * 27)
+            prompt = next(x.prompt_tokens for x in rows if x.turn == t)
+            lines.append(f" {t:>4} {prompt:>7} | " + " | ".join(cells))
+        for k, v in part["summary"].items():
+            lines.append(f"  {k}: {v}")
+    return lines
+
+
+def _summary(rows: list[Row], res: dict, turns: int) -> dict:
+    last = lambda mode: next((r for r in rows if r.mode == mode and r.turn == turns), None)  # noqa: E731
+    ours = last("resume") or last("localchat")
+    out: dict = {}
+    rec = last("recompute")
+    if rec and ours:
+        out["ttft_ratio_recompute_over_localchat"] = round(rec.ttft_s / ours.ttft_s, 2)
+    raw = last("raw")
+    if raw and ours:
+        out["ttft_localchat_over_raw"] = round(ours.ttft_s / raw.ttft_s, 3)
+        lc_tps = [r.decode_tps for r in rows if r.mode in ("localchat", "resume")]
+        raw_tps = [r.decode_tps for r in rows if r.mode == "raw"]
+        out["decode_localchat_over_raw"] = round(sum(lc_tps) / sum(raw_tps), 3)
+    srv = last("server")
+    if srv and ours:
+        out["ttft_localchat_over_server"] = round(ours.ttft_s / srv.ttft_s, 3)
+    ours_rows = [r for r in rows if r.mode in ("localchat", "resume")]
+    out["recomputed_total"] = {m: sum(r.recomputed_tokens for r in rows if r.mode == m)
+                               for m in ("recompute", "localchat", "resume", "raw", "server") if _by(rows, m)}
+    out["autosave_copy_s_mean"] = round(sum(r.save_s for r in ours_rows) / len(ours_rows), 4)
+    out["autosave_share_of_turn_wall"] = round(sum(r.save_s for r in ours_rows) / sum(r.wall_s for r in ours_rows), 4)
+    out["state_bytes"] = res["state_bytes"]
+    out["host_overhead_mb"] = round(res["host_overhead_bytes"] / 1e6, 1)
+    out["resume"] = res["resume"]
+    return out
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="localchat bench", description=__doc__.splitlines()[0])
+    _profile_args(p)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--system-tokens", type=int, default=1024)
+    p.add_argument("--user-tokens", type=int, default=150)
+    p.add_argument("--reply-tokens", type=int, default=64)
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE", help="PNG of TTFT per turn per mode (needs matplotlib)")
+    p.add_argument("--quick", action="store_true", help="a smaller workload that fits in two minutes on a CPU")
+    p.add_argument("--peer-server", metavar="PATH", help="llama-server binary to compare against")
+    p.add_argument("--llama-bench", metavar="PATH", help="llama-bench binary: decode speed at the same depth")
+    p.add_argument("--no-raw", action="store_true", help="skip the plain llama-cpp-python baseline")
+    p.add_argument("--kv", nargs="*", default=None, help="KV types to run (default: f16 and q8_0 where allowed)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.turns, args.system_tokens, args.user_tokens, args.reply_tokens = 6, 384, 100, 32
+    o = overrides(args)
+    o["temperature"] = 0.0
+    o["max_tokens"] = args.reply_tokens
+    base = runtime.load_profile(args.profile, o)
+    kvs = args.kv or (["f16", "q8_0"] if base.flash_attn else ["f16"])
+    total_steps = len(kvs) * args.turns * (3 + bool(args.peer_server) - bool(args.no_raw))
+    done = [0]
+
+    def progress(label: str) -> None:
+        done[0] += 1
+        _progress(done[0], total_steps, label)
+
+    result: dict = {"versions": {"llama_cpp_python": llama_version()}, "workload": {
+        "turns": args.turns, "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
+        "reply_tokens": args.reply_tokens}, "kv": {}}
+    with tempfile.TemporaryDirectory(prefix="localchat-bench-") as tmp:
+        os.environ["LOCALCHAT_HOME"] = tmp  # the bench's sessions and speeds never touch the user's
+        for kv in kvs:
+            profile = dataclasses.replace(base, type_k=kv, type_v=kv)
+            rt = runtime.open_runtime(profile, lambda t: sys.stderr.write(t + "\n"))
+            try:
+                rt.chat.conv.system = _text_of(rt.engine, args.system_tokens, "system")
+                users = [_text_of(rt.engine, args.user_tokens, f"question {i}") for i in range(args.turns)]
+                res = run_localchat(rt, args, users, Path(tmp), kv, progress)
+                rows = res["rows"] + run_recompute(rt.engine, res["prompts"], res["replies"], kv, progress)
+                cfg = rt.engine.config
+                result.setdefault("machine", {"model": rt.model.name, "profile": profile.name,
+                                              "n_ctx": rt.engine.n_ctx, "n_gpu_layers": cfg.n_gpu_layers,
+                                              "threads": cfg.threads(), "flash_attn": cfg.flash_attn,
+                                              "cpu_count": os.cpu_count()})
+            finally:
+                rt.close()
+            if not args.no_raw:
+                rows += run_raw(cfg, res["prompts"], res["replies"], kv, progress)
+            peer_error = ""
+            if args.peer_server:
+                try:
+                    rows += run_server(args.peer_server, cfg, res["prompts"], res["replies"], kv, progress)
+                except (OSError, RuntimeError, ValueError) as exc:  # the peer failing must not lose our figures
+                    peer_error = f"llama-server: {exc}"
+            part = {"rows": [asdict(r) for r in rows], "summary": _summary(rows, res, args.turns)}
+            if peer_error:
+                part["summary"]["peer_error"] = peer_error
+            if args.llama_bench:
+                depth = len(res["prompts"][-1])
+                ours = [r.decode_tps for r in rows if r.mode in ("localchat", "resume") and r.turn == args.turns]
+                try:
+                    lb = run_llama_bench(args.llama_bench, cfg, depth, args.reply_tokens)
+                    part["summary"]["llama_bench"] = {"depth": depth, "tg_tps": lb, "localchat_tps": ours[0],
+                                                      "localchat_over_llama_bench": round(ours[0] / lb, 3)}
+                except (OSError, RuntimeError, ValueError, KeyError, IndexError) as exc:
+                    part["summary"]["llama_bench"] = {"error": str(exc)}
+            result["kv"][kv] = part
+    result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    sys.stderr.write("\n")
+    for line in summarize(result):
+        sys.stdout.write(line + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        _plot(result, args.plot)
+    return 0
+
+
+def _plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.stderr.write("localchat: --plot needs matplotlib: pip install 'localchat[plot]'\n")
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for kv, part in result["kv"].items():
+        rows = [Row(**r) for r in part["rows"]]
+        for mode in ("recompute", "localchat", "raw", "server"):
+            pts = [(r.turn, r.ttft_s) for r in rows if r.mode == mode or (mode == "localchat" and r.mode == "resume")]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{mode} ({kv})")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_yscale("log")
+    ax.set_title(f"TTFT per turn: {result['machine']['model']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,95 @@
+"""The peers the benchmark compares against: llama.cpp's llama-server (cache_prompt) and llama-bench."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import time
+
+from localchat.engine import EngineConfig, _cpu_has_amx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _common_flags(c: EngineConfig) -> list[str]:
+    flags = ["-m", c.model_path, "-t", str(c.threads()), "-ngl", str(c.n_gpu_layers if c.n_gpu_layers >= 0 else 999)]
+    return flags
+
+
+class PeerServer:
+    """llama-server on loopback with one slot, the same model and settings as localchat."""
+
+    def __init__(self, path: str, c: EngineConfig):
+        self.port = _free_port()
+        cmd = [path, *_common_flags(c), "-c", str(c.n_ctx), "-b", str(c.n_batch), "-ub", str(c.n_ubatch),
+               "-fa", "on" if c.flash_attn else "off", "-ctk", c.type_k, "-ctv", c.type_v, "-np", "1",
+               "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
+        if _cpu_has_amx():
+            cmd.append("--no-repack")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def __enter__(self) -> "PeerServer":
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("llama-server did not become ready")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def completion(self, prompt: list[int], n_predict: int) -> dict:
+        """Stream a greedy completion; TTFT is taken here, at the client."""
+        body = json.dumps({"prompt": prompt, "n_predict": n_predict, "cache_prompt": True, "stream": True,
+                           "temperature": 0, "top_k": 1, "ignore_eos": False}).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        t0 = time.perf_counter()
+        conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        ttft = 0.0
+        timings: dict = {}
+        for raw in resp:
+            line = raw.decode("utf-8", errors="replace").strip()
+            if not line.startswith("data: "):
+                continue
+            data = json.loads(line[6:])
+            if not ttft and (data.get("content") or data.get("tokens")):
+                ttft = time.perf_counter() - t0
+            if data.get("stop"):
+                timings = data.get("timings", {})
+                break
+        conn.close()
+        return {"ttft_s": ttft, "prompt_n": int(timings.get("prompt_n", 0)),
+                "prompt_ms": float(timings.get("prompt_ms", 0.0)),
+                "decode_tps": float(timings.get("predicted_per_second", 0.0))}
+
+
+def run_llama_bench(path: str, c: EngineConfig, depth: int, n_gen: int) -> float:
+    """llama-bench's decode speed (tokens/s) at a context depth, same model and settings."""
+    cmd = [path, *_common_flags(c), "-p", "0", "-n", str(n_gen), "-d", str(depth), "-fa", "1" if c.flash_attn else "0",
+           "-ctk", c.type_k, "-ctv", c.type_v, "-ub", str(c.n_ubatch), "-r", "3", "-o", "json"]
+    if _cpu_has_amx():
+        cmd += ["--repack", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"llama-bench failed: {out.stderr.strip()[-300:]}")
+    rows = json.loads(out.stdout)
+    return float(rows[0]["avg_ts"]) if rows else 0.0
