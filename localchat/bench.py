@@ -126,8 +126,13 @@ def _resume(rt: runtime.Runtime, ctl: SessionControl, store: SessionStore) -> di
             "chosen_within_10pct": chosen == faster or min(load_s, prefill_s) * 1.1 >= max(load_s, prefill_s)}
 
 
-def run_recompute(engine: Engine, prompts: list[list[int]], replies: list[int], kv: str, progress) -> list[Row]:
+def run_recompute(engine: Engine, prompts: list[list[int]], replies: list[int], kv: str, progress,
+                  ram: dict) -> list[Row]:
+    """Also measures the decode path's host RAM beyond llama.cpp's buffers (no autosave here)."""
     rows = []
+    engine.clear()
+    engine.prefill(prompts[0][:8])  # llama.cpp's buffers are all allocated by the first decode
+    rss0 = peak = _anon_rss()
     sampler = engine.make_sampler(SamplingConfig(temperature=0))
     for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
         engine.clear()
@@ -141,8 +146,10 @@ def run_recompute(engine: Engine, prompts: list[list[int]], replies: list[int], 
         tps = perf["eval_n"] / (perf["eval_ms"] / 1000) if perf["eval_ms"] else 0.0
         rows.append(Row("recompute", kv, i, len(prompt), pre.recomputed, gen.first_token_at - t0, pre.seconds, tps,
                         time.perf_counter() - t0))
+        peak = max(peak, _anon_rss())
         progress(f"recompute {kv} turn {i}")
     engine.clear()
+    ram["decode_path_host_overhead_mb"] = round((peak - rss0) / 1e6, 1)
     return rows
 
 
@@ -217,7 +224,7 @@ def _summary(rows: list[Row], res: dict, turns: int) -> dict:
     out["autosave_copy_s_mean"] = round(sum(r.save_s for r in ours_rows) / len(ours_rows), 4)
     out["autosave_share_of_turn_wall"] = round(sum(r.save_s for r in ours_rows) / sum(r.wall_s for r in ours_rows), 4)
     out["state_bytes"] = res["state_bytes"]
-    out["host_overhead_mb"] = round(res["host_overhead_bytes"] / 1e6, 1)
+    out["host_overhead_mb_with_autosave_copies"] = round(res["host_overhead_bytes"] / 1e6, 1)
     out["resume"] = res["resume"]
     return out
 
@@ -263,7 +270,8 @@ def main(argv: Sequence[str]) -> int:
                 rt.chat.conv.system = _text_of(rt.engine, args.system_tokens, "system")
                 users = [_text_of(rt.engine, args.user_tokens, f"question {i}") for i in range(args.turns)]
                 res = run_localchat(rt, args, users, Path(tmp), kv, progress)
-                rows = res["rows"] + run_recompute(rt.engine, res["prompts"], res["replies"], kv, progress)
+                ram: dict = {}
+                rows = res["rows"] + run_recompute(rt.engine, res["prompts"], res["replies"], kv, progress, ram)
                 cfg = rt.engine.config
                 result.setdefault("machine", {"model": rt.model.name, "profile": profile.name,
                                               "n_ctx": rt.engine.n_ctx, "n_gpu_layers": cfg.n_gpu_layers,
@@ -280,6 +288,7 @@ def main(argv: Sequence[str]) -> int:
                 except (OSError, RuntimeError, ValueError) as exc:  # the peer failing must not lose our figures
                     peer_error = f"llama-server: {exc}"
             part = {"rows": [asdict(r) for r in rows], "summary": _summary(rows, res, args.turns)}
+            part["summary"].update(ram)
             if peer_error:
                 part["summary"]["peer_error"] = peer_error
             if args.llama_bench:
@@ -294,12 +303,13 @@ def main(argv: Sequence[str]) -> int:
             result["kv"][kv] = part
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     sys.stderr.write("\n")
-    for line in summarize(result):
-        sys.stdout.write(line + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
         _plot(result, args.plot)
+    for line in summarize(result):
+        sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     return 0
 
 

@@ -63,7 +63,7 @@ class ChatSession:
         self._bos = engine.special_text("bos")
         self.events: list[dict] = []  # transcript records not yet persisted, drained by the store
         # called with the prefix tokens once the KV holds exactly them (the shared prefix cache)
-        self.on_prefix: Callable[[list[int]], None] | None = None
+        self.on_prefix: Callable[[list[int], float], None] | None = None
 
     @property
     def overflow(self) -> str:
@@ -186,7 +186,7 @@ class ChatSession:
         if self.on_prefix is None or holds_prefix or len(prompt) <= len(prefix):
             return e.prefill(prompt, progress=progress, cancelled=cancelled)
         first = e.prefill(prefix, progress=progress, cancelled=cancelled)
-        self.on_prefix(prefix)
+        self.on_prefix(prefix, first.seconds)
         rest = e.prefill(prompt, progress=progress, cancelled=cancelled)
         return PrefillResult(first.cached, first.recomputed + rest.recomputed, first.seconds + rest.seconds,
                              first.first_diff, first.rewind_refused or rest.rewind_refused)

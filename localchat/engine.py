@@ -341,19 +341,21 @@ class Engine:
     def reset_perf(self) -> None:
         lc.llama_perf_context_reset(self.ctx)
 
-    def state_bytes(self) -> bytes:
-        """Copy this sequence's KV (the evaluated tokens) out of llama.cpp."""
+    def state_bytes(self) -> memoryview:
+        """Copy this sequence's KV (the evaluated tokens) out of llama.cpp: one copy, no more."""
         size = lc.llama_state_seq_get_size(self.ctx, SEQ)
-        buf = (ctypes.c_uint8 * size)()
-        written = lc.llama_state_seq_get_data(self.ctx, buf, size, SEQ)
-        return bytes(buf)[:written]
+        data = bytearray(size)
+        written = lc.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(data), size, SEQ)
+        return memoryview(data)[:written]
 
-    def load_state(self, data: bytes, tokens: list[int]) -> bool:
+    def load_state(self, data: bytes | bytearray | memoryview, tokens: list[int]) -> bool:
         """Restore a KV copied by state_bytes; the caller has verified it belongs here."""
         lc.llama_memory_clear(self.mem, True)
         self.tokens, self.n_kv = [], 0
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if lc.llama_state_seq_set_data(self.ctx, buf, len(data), SEQ) == 0:
+        view = memoryview(data)
+        buf = (ctypes.c_uint8 * len(view)).from_buffer(view) if not view.readonly else \
+            (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
+        if lc.llama_state_seq_set_data(self.ctx, buf, len(view), SEQ) == 0:
             lc.llama_memory_clear(self.mem, True)
             return False
         if lc.llama_memory_seq_pos_max(self.mem, SEQ) != len(tokens) - 1:

@@ -22,6 +22,7 @@ from localchat.store import BackgroundWriter, SessionStore, list_sessions
 
 FORMAT = 1
 DEFAULT_LOAD_BPS = 400e6  # until a restore on this machine has been measured
+AUTOSAVE_SHARE = 0.05
 GIB = 1 << 30
 
 Report = Callable[[str], None]
@@ -43,6 +44,9 @@ class SessionControl:
         self.autosave = autosave and store is not None
         self.save_status = "off" if not self.autosave else ""
         self._failure_told = False
+        self._copy_bps = 0.0  # measured speed of the KV copy out of llama.cpp
+        self._last_save = time.monotonic()
+        self._dirty = False  # turns whose KV is not on disk yet
         self.on_status: Callable[[str], None] = lambda s: None
         self.writer = BackgroundWriter(self._set_status)
         self._fp: str | None = None
@@ -161,14 +165,29 @@ class SessionControl:
         return self.chat.turn(text, on_text, cancelled, progress)
 
     def after_turn(self, st: TurnStats) -> None:
-        """Persist the transcript now (fsync), the KV in the background."""
+        """Persist the transcript now (fsync); the KV when its copy fits the autosave budget."""
         self.flush_events()
         if st.kv_restored and st.cache_miss:
             self.report(f"localchat: the restored KV was not reused: {st.recomputed_tokens} tokens recomputed")
         if st.recomputed_tokens >= 64 and st.prefill_s > 0:
             self._speeds["prefill_tps"] = st.recomputed_tokens / st.prefill_s
-        if self.autosave:
+        if not self.autosave:
+            return
+        self._dirty = True
+        if self._save_due():
             st.save_s = self.save()
+        else:
+            self._set_status("deferred")
+
+    def _save_due(self) -> bool:
+        """The KV copy blocks the chat, so it may take at most AUTOSAVE_SHARE of the time since the
+        last save (idle time included): every turn for a person or a small model, less often for
+        back-to-back turns on a large state. The transcript is saved every turn regardless."""
+        if not self._copy_bps:
+            return True
+        engine = self.rt.engine
+        size = engine.n_kv * self.rt.model.kv_bytes_per_token(engine.config.type_k, engine.config.type_v)
+        return size / self._copy_bps <= AUTOSAVE_SHARE * (time.monotonic() - self._last_save)
 
     def flush_events(self) -> None:
         if self.store is not None and self.chat.events:
@@ -180,7 +199,8 @@ class SessionControl:
                 self._set_status(f"failed: transcript not written ({exc.strerror})")
 
     def save(self) -> float:
-        """Copy the KV out of llama.cpp (main thread); write it in the background. Returns the copy time."""
+        """Copy the KV out of llama.cpp (main thread); hash and write it in the background.
+        Returns the copy time."""
         if self.store is None:
             return 0.0
         self.flush_events()
@@ -189,13 +209,17 @@ class SessionControl:
         payload = engine.state_bytes()
         tokens = engine.tokens[:engine.n_kv]
         took = time.perf_counter() - t0
-        header = statefile.make_header(payload, self.model_fingerprint, kv_settings(self.rt), tokens, llama_version())
-        store, meta = self.store, self._meta(len(tokens), header)
+        self._copy_bps = len(payload) / max(took, 1e-6)
+        self._last_save, self._dirty = time.monotonic(), False
+        fp, settings, store = self.model_fingerprint, kv_settings(self.rt), self.store
+        meta = self._meta(len(tokens), len(payload))
         prefill_tps = self._speeds.get("prefill_tps")
         budget = int(self.rt.profile.max_kv_disk_gb * GIB)
 
         def job() -> None:
+            header = statefile.make_header(payload, fp, settings, tokens, llama_version())
             atomic_write(store.state, [statefile.encode(header), payload])
+            meta["state"]["sha256"] = header.payload_sha256
             store.write_meta(meta)
             if prefill_tps:
                 self._save_speed("prefill_tps", prefill_tps)
@@ -204,7 +228,7 @@ class SessionControl:
         self.writer.submit(job)
         return took
 
-    def _meta(self, n_tokens: int, header: statefile.StateHeader) -> dict:
+    def _meta(self, n_tokens: int, state_size: int) -> dict:
         assert self.store is not None
         old = self.store.read_meta()
         conv = self.chat.conv
@@ -213,7 +237,7 @@ class SessionControl:
                                                   "fingerprint": self.model_fingerprint},
                 "llama_cpp_python": llama_version(), "kv_settings": kv_settings(self.rt),
                 "profile": self.rt.profile.name, "turns": conv.turns, "tokens": n_tokens,
-                "state": {"size": header.payload_size, "sha256": header.payload_sha256}}
+                "state": {"size": state_size, "sha256": ""}}
 
     def _set_status(self, status: str) -> None:
         if status.startswith("failed") and not self._failure_told:
@@ -228,16 +252,22 @@ class SessionControl:
         key = hashlib.sha256(json.dumps([self.model_fingerprint, kv_settings(self.rt), prefix]).encode())
         return paths.prefix_dir() / f"{key.hexdigest()[:32]}.state"
 
-    def _snapshot_prefix(self, prefix: list[int]) -> None:
+    def _snapshot_prefix(self, prefix: list[int], prefill_s: float) -> None:
+        """Keep the system prompt's KV for new chats, where loading it beats prefilling it."""
         if self.store is None or len(prefix) < 16:
+            return
+        engine = self.rt.engine
+        size = len(prefix) * self.rt.model.kv_bytes_per_token(engine.config.type_k, engine.config.type_v)
+        if size / self._load_speeds().get("load_bps", DEFAULT_LOAD_BPS) > prefill_s / 2:
             return
         path = self._prefix_path(prefix)
         if path.exists():
             return
-        payload = self.rt.engine.state_bytes()
-        header = statefile.make_header(payload, self.model_fingerprint, kv_settings(self.rt), prefix, llama_version())
+        payload = engine.state_bytes()
+        fp, settings = self.model_fingerprint, kv_settings(self.rt)
 
         def job() -> None:
+            header = statefile.make_header(payload, fp, settings, prefix, llama_version())
             paths.private_dir(path.parent)
             atomic_write(path, [statefile.encode(header), payload])
 
@@ -267,6 +297,8 @@ class SessionControl:
     # ------------------------------------------------------------ switching sessions
     def _take(self, store: SessionStore) -> None:
         """Make `store` the current session, holding its lock; the old one stays as it is on disk."""
+        if self._dirty:
+            self.save()
         self.flush_events()
         self.writer.wait()
         store.lock()
@@ -298,6 +330,8 @@ class SessionControl:
 
     def close(self) -> None:
         self.flush_events()
+        if self._dirty:
+            self.save()  # the deferred KV goes to disk on the way out
         if not self.writer.wait(timeout=120):
             self.report("localchat: autosave still running at exit; the previous save is kept")
         if self.store is not None:

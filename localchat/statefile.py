@@ -44,7 +44,7 @@ def encode(header: StateHeader) -> bytes:
     return _PREFIX.pack(MAGIC, VERSION, len(body)) + body
 
 
-def make_header(payload: bytes, fingerprint: str, kv_settings: dict[str, Any], tokens: list[int],
+def make_header(payload: bytes | memoryview, fingerprint: str, kv_settings: dict[str, Any], tokens: list[int],
                 version: str) -> StateHeader:
     return StateHeader(fingerprint, dict(kv_settings), list(tokens), len(payload),
                        hashlib.sha256(payload).hexdigest(), version)
@@ -90,15 +90,16 @@ def check_header(header: StateHeader, fingerprint: str, kv_settings: dict[str, A
             raise StateRejected(f"the state was saved with {key}={have}, this run uses {key}={want}")
 
 
-def read_payload(path: Path, header: StateHeader, offset: int) -> bytes:
-    """The payload, after its size and sha256 are checked."""
+def read_payload(path: Path, header: StateHeader, offset: int) -> bytearray:
+    """The payload, after its size and sha256 are checked (read into one writable buffer)."""
+    payload = bytearray(header.payload_size)
     try:
         with path.open("rb") as f:
             f.seek(offset)
-            payload = f.read(header.payload_size + 1)
+            n = f.readinto(payload)
     except OSError as exc:
         raise StateRejected(f"cannot read the state file: {exc.strerror}") from exc
-    if len(payload) != header.payload_size:
+    if n != header.payload_size:
         raise StateRejected("state payload is truncated")
     if hashlib.sha256(payload).hexdigest() != header.payload_sha256:
         raise StateRejected("state payload fails its checksum (damaged on disk)")
