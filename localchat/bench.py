@@ -102,6 +102,8 @@ def _resume(rt: runtime.Runtime, ctl: SessionControl, store: SessionStore) -> di
     """Drop the KV (as a new process would have none), time both ways back, then resume for real."""
     engine = rt.engine
     window = ctl.chat.conv.window_tokens()
+    ctl.save()  # as a clean exit does
+    ctl.writer.wait()
     engine.clear()
     t0 = time.perf_counter()
     engine.prefill(window)
@@ -305,11 +307,11 @@ def main(argv: Sequence[str]) -> int:
     sys.stderr.write("\n")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    if args.plot:
-        _plot(result, args.plot)
     for line in summarize(result):
         sys.stdout.write(line + "\n")
     sys.stdout.flush()
+    if args.plot:
+        _plot(result, args.plot)
     return 0
 
 

@@ -23,6 +23,8 @@ from localchat.store import BackgroundWriter, SessionStore, list_sessions
 FORMAT = 1
 DEFAULT_LOAD_BPS = 400e6  # until a restore on this machine has been measured
 AUTOSAVE_SHARE = 0.05
+DEFAULT_COPY_BPS = 1e9  # until the first copy out of llama.cpp has been measured
+SAMPLE_BYTES = 16 << 20  # read and hashed to estimate a restore's speed
 GIB = 1 << 30
 
 Report = Callable[[str], None]
@@ -44,7 +46,7 @@ class SessionControl:
         self.autosave = autosave and store is not None
         self.save_status = "off" if not self.autosave else ""
         self._failure_told = False
-        self._copy_bps = 0.0  # measured speed of the KV copy out of llama.cpp
+        self._copy_bps = DEFAULT_COPY_BPS  # speed of the KV copy out of llama.cpp, measured at each save
         self._last_save = time.monotonic()
         self._dirty = False  # turns whose KV is not on disk yet
         self.on_status: Callable[[str], None] = lambda s: None
@@ -120,7 +122,8 @@ class SessionControl:
             statefile.check_header(header, self.model_fingerprint, kv_settings(self.rt))
             if header.tokens != window[:len(header.tokens)] or not header.tokens:
                 raise StateRejected("the state does not match the transcript")
-            est_load = header.payload_size / speeds.get("load_bps", DEFAULT_LOAD_BPS)
+            est_load = header.payload_size / speeds.get("load_bps") if speeds.get("load_bps") else \
+                _estimate_load(self.store.state, offset, header.payload_size)
             prefill_tps = speeds.get("prefill_tps")
             est_prefill = len(window) / prefill_tps if prefill_tps else float("inf")
             if est_prefill < est_load:
@@ -340,6 +343,18 @@ class SessionControl:
 
 class _PrefillFaster(Exception):
     pass
+
+
+def _estimate_load(path: Path, offset: int, size: int) -> float:
+    """Seconds to read, check and hand over a state, from reading and hashing a sample of it
+    (the copy into llama.cpp costs about as much again)."""
+    t0 = time.perf_counter()
+    with path.open("rb") as f:
+        f.seek(offset)
+        sample = f.read(min(size, SAMPLE_BYTES))
+    hashlib.sha256(sample).digest()
+    took = time.perf_counter() - t0
+    return 2 * size / max(len(sample) / max(took, 1e-6), 1.0)
 
 
 def prune_kv(budget: int, keep: Path) -> None:

@@ -159,6 +159,18 @@ def list_sessions(root: Path | None = None) -> list[SessionStore]:
     return sorted(stores, key=lambda s: s.read_meta().get("updated", 0), reverse=True)
 
 
+def _lower_priority() -> None:
+    """Run this thread only when a core is idle: hashing and writing a state must never slow the
+    next turn (on a 2-core machine llama.cpp's threads use every core)."""
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+
+
 class BackgroundWriter:
     """Writes state files off the main thread, one job at a time; a newer job replaces a queued one."""
 
@@ -177,6 +189,7 @@ class BackgroundWriter:
         self._on_status("saving")
 
     def _loop(self) -> None:
+        _lower_priority()
         while True:
             with self._cond:
                 while self._job is None:
