@@ -3,6 +3,7 @@ diagnostics on stderr. Used for pipes, scripts and tests."""
 
 from __future__ import annotations
 
+import io
 import signal
 import sys
 from typing import Callable, TextIO
@@ -41,6 +42,9 @@ def run_lines(ctl: SessionControl, after_turn: Callable[[TurnStats], None],
         stdout.write(text)
         stdout.flush()
 
+    if stdin is sys.stdin and hasattr(sys.stdin, "buffer"):
+        # binary or non-UTF-8 input must not end the chat: undecodable bytes become U+FFFD
+        stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace")
     for raw in stdin:
         line = raw.rstrip("\r\n")
         if not line.strip():

@@ -38,7 +38,15 @@ def models_dir() -> Path:
 
 
 def private_dir(path: Path) -> Path:
-    """Create path (and parents we own) readable by this user only, whatever the umask."""
-    path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
-    os.chmod(path, PRIVATE_DIR)
+    """Create path and its missing parents readable by this user only, whatever the umask."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(mode=PRIVATE_DIR, exist_ok=True)
+        os.chmod(d, PRIVATE_DIR)
+    if path.stat().st_mode & 0o077 and path.stat().st_uid == os.getuid():
+        os.chmod(path, PRIVATE_DIR)
     return path

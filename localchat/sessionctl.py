@@ -69,6 +69,8 @@ class SessionControl:
             name = recent[0].name if recent else None
         store = SessionStore(auto_name() if name is None else name)
         store.lock()
+        if store.read_only:
+            report(f"localchat: session '{store.name}' is on a read-only file system; the chat goes on unsaved")
         ctl = cls(rt, store, report, autosave=rt.profile.autosave)
         if store.transcript.exists():
             ctl.resume()

@@ -81,6 +81,15 @@ def read_header(path: Path) -> tuple[StateHeader, int]:
     return header, offset
 
 
+def read_header_bytes(data: bytes) -> tuple[StateHeader, int]:
+    """read_header for a state held in memory (tests, tools)."""
+    import tempfile
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        return read_header(Path(f.name))
+
+
 def check_header(header: StateHeader, fingerprint: str, kv_settings: dict[str, Any]) -> None:
     if header.fingerprint != fingerprint:
         raise StateRejected("the state was saved with another model (fingerprint differs)")

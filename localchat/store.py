@@ -7,6 +7,7 @@ stays until the new one is complete.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -33,24 +34,37 @@ def validate_name(name: str) -> str:
     return name
 
 
+def _message(r: dict[str, Any]) -> Message:
+    if r.get("role") not in ("user", "assistant") or not isinstance(r.get("content"), str):
+        raise ValueError("not a message")
+    ints = lambda v: [int(t) for t in (v or [])]  # noqa: E731
+    return Message(role=r["role"], content=r["content"], tokens=ints(r.get("tokens")), head=ints(r.get("head")),
+                   cut=bool(r.get("cut")), in_window=bool(r.get("in_window", True)), pinned=bool(r.get("pinned")))
+
+
 def replay(records: list[dict[str, Any]]) -> Conversation:
-    """Rebuild the conversation from transcript records."""
+    """Rebuild the conversation from transcript records; a malformed record is skipped."""
     conv = Conversation()
     for r in records:
         kind = r.get("t")
-        if kind == "system":
-            conv.system, conv.prefix = r.get("system"), list(r.get("prefix", []))
-        elif kind == "msg":
-            fields = {k: r[k] for k in ("role", "content", "tokens", "head", "cut", "in_window", "pinned") if k in r}
-            conv.messages.append(Message(**fields))
-        elif kind == "evict":
-            conv.evict([int(i) for i in r.get("users", [])], int(r.get("tokens", 0)))
-        elif kind == "undo" and conv.turns:
-            conv.drop_last_exchange()
-        elif kind == "pin":
-            users = [m for m in conv.messages if m.role == "user" and m.in_window]
-            if users:
-                users[-1].pinned = True
+        try:
+            if kind == "system":
+                system = r.get("system")
+                conv.system = system if isinstance(system, str) else None
+                conv.prefix = [int(t) for t in r.get("prefix", [])]
+            elif kind == "msg":
+                conv.messages.append(_message(r))
+            elif kind == "evict":
+                users = [int(i) for i in r.get("users", [])]
+                conv.evict([i for i in users if 0 <= i < len(conv.messages)], int(r.get("tokens", 0)))
+            elif kind == "undo" and conv.turns:
+                conv.drop_last_exchange()
+            elif kind == "pin":
+                users = [m for m in conv.messages if m.role == "user" and m.in_window]
+                if users:
+                    users[-1].pinned = True
+        except (TypeError, ValueError, AttributeError):
+            continue
     return conv
 
 
@@ -59,6 +73,7 @@ class SessionStore:
         self.name = validate_name(name)
         self.dir = (root or paths.sessions_dir()) / self.name
         self._lock_fd: int | None = None
+        self.read_only = False
 
     @property
     def transcript(self) -> Path:
@@ -76,13 +91,20 @@ class SessionStore:
         return self.transcript.exists() or self.meta_path.exists()
 
     def create(self) -> None:
-        paths.private_dir(self.dir.parent)
-        paths.private_dir(self.dir)
+        if not self.dir.is_dir():
+            paths.private_dir(self.dir.parent)
+            paths.private_dir(self.dir)
 
     def lock(self) -> None:
         """One process per session: a second one gets a clear error."""
         self.create()
-        fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
+        try:
+            fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
+        except OSError as exc:
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                self.read_only = True  # nothing can be saved: the chat goes on, saves fail and say so
+                return
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
