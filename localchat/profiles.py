@@ -84,6 +84,17 @@ PROFILE_KEYS = tuple(_RULES) + ("extends",)
 assert set(_RULES) == {f.name for f in fields(Profile)} - {"name", "source"}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice (YAML would silently keep the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+        for k in keys:
+            if keys.count(k) > 1:
+                raise yaml.constructor.ConstructorError(None, None, f"key '{k}' is given twice", node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
 def shipped_dir() -> Path:
     return Path(str(resources.files("localchat") / "profiles"))
 
@@ -101,15 +112,18 @@ def _read(path: Path) -> dict[str, Any]:
     try:
         if path.stat().st_size > MAX_PROFILE_BYTES:
             raise ProfileError(f"{path}: profile file is larger than {MAX_PROFILE_BYTES // 1024} KiB")
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except OSError as exc:
         raise ProfileError(f"{path}: cannot read profile: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:
         raise ProfileError(f"{path}: profile is not UTF-8 text") from exc
+    except RecursionError as exc:
+        raise ProfileError(f"{path}: profile is nested too deeply to be a profile") from exc
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise ProfileError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from exc
+        problem = str(getattr(exc, "problem", None) or exc).splitlines()[0]
+        raise ProfileError(f"{path}: not valid YAML{where}: {problem}") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
