@@ -83,8 +83,9 @@ def run_localchat(rt: runtime.Runtime, args, users: list[str], home: Path, kv: s
             resume = _resume(rt, ctl, store)
         t0 = time.perf_counter()
         st = ctl.turn(text)
-        prompts.append(ctl.chat.conv.window_tokens()[:st.prompt_tokens])
-        replies.append(st.reply_tokens)
+        window = ctl.chat.conv.window_tokens()
+        prompts.append(window[:st.prompt_tokens])
+        replies.append(window[st.prompt_tokens:])
         ctl.after_turn(st)
         wall = time.perf_counter() - t0
         rows.append(Row("resume" if resume else "localchat", kv, i, st.prompt_tokens, st.recomputed_tokens,
@@ -128,7 +129,7 @@ def _resume(rt: runtime.Runtime, ctl: SessionControl, store: SessionStore) -> di
             "chosen_within_10pct": chosen == faster or min(load_s, prefill_s) * 1.1 >= max(load_s, prefill_s)}
 
 
-def run_recompute(engine: Engine, prompts: list[list[int]], replies: list[int], kv: str, progress,
+def run_recompute(engine: Engine, prompts: list[list[int]], replies: list[list[int]], kv: str, progress,
                   ram: dict) -> list[Row]:
     """Also measures the decode path's host RAM beyond llama.cpp's buffers (no autosave here)."""
     rows = []
@@ -142,7 +143,7 @@ def run_recompute(engine: Engine, prompts: list[list[int]], replies: list[int], 
         t0 = time.perf_counter()
         pre = engine.prefill(prompt)
         gen = Generation(tokens=[])
-        for _ in engine.generate(sampler, max(n, 1), gen):
+        for _ in engine.generate(sampler, max(len(n), 1), gen):
             pass
         perf = engine.perf()
         tps = perf["eval_n"] / (perf["eval_ms"] / 1000) if perf["eval_ms"] else 0.0
@@ -155,13 +156,13 @@ def run_recompute(engine: Engine, prompts: list[list[int]], replies: list[int], 
     return rows
 
 
-def run_raw(config, prompts: list[list[int]], replies: list[int], kv: str, progress) -> list[Row]:
+def run_raw(config, prompts: list[list[int]], replies: list[list[int]], kv: str, progress) -> list[Row]:
     from localchat.rawbaseline import RawLlama
     raw = RawLlama(config)
     rows = []
     try:
         for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
-            ttft, tps, evaluated = raw.turn(prompt, max(n, 1))
+            ttft, tps, evaluated = raw.turn(prompt, n)
             rows.append(Row("raw", kv, i, len(prompt), evaluated, ttft, 0.0, tps))
             progress(f"raw llama-cpp-python {kv} turn {i}")
     finally:
@@ -173,7 +174,7 @@ def run_server(path: str, config, prompts, replies, kv: str, progress) -> list[R
     rows = []
     with PeerServer(path, config) as server:
         for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
-            r = server.completion(prompt, max(n, 1))
+            r = server.completion(prompt, max(len(n), 1))
             rows.append(Row("server", kv, i, len(prompt), r["prompt_n"], r["ttft_s"], r["prompt_ms"] / 1000,
                             r["decode_tps"]))
             progress(f"llama-server {kv} turn {i}")

@@ -228,6 +228,9 @@ class ChatSession:
             st.ttft_s = gen.first_token_at - t0
         if perf["eval_ms"] > 0:
             st.decode_tps = perf["eval_n"] / (perf["eval_ms"] / 1000)
+        if len(gen.tokens) > 1 and gen.last_token_at > gen.first_token_at:
+            # what the user sees: tokens per second of wall time, Python and UI included
+            st.extra["wall_decode_tps"] = round((len(gen.tokens) - 1) / (gen.last_token_at - gen.first_token_at), 2)
         st.ctx_used = len(e.tokens)
         st.turns_left_window = self.conv.turns_left_window
         st.tokens_left_window = self.conv.tokens_left_window

@@ -114,6 +114,7 @@ class Generation:
     tokens: list[int]
     stop_reason: str = ""  # eog, max_tokens, stop_string, cancelled, context_full
     first_token_at: float = 0.0
+    last_token_at: float = 0.0
 
 
 class Cancelled(Exception):
@@ -310,8 +311,9 @@ class Engine:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         for i in range(max_tokens):
             tok = lc.llama_sampler_sample(sampler, self.ctx, -1)
+            gen.last_token_at = time.perf_counter()
             if i == 0:
-                gen.first_token_at = time.perf_counter()
+                gen.first_token_at = gen.last_token_at
             self.tokens.append(tok)
             gen.tokens.append(tok)
             if self.is_eog(tok):

@@ -40,26 +40,27 @@ class RawLlama:
                 n_threads_batch=c.threads(), n_batch=c.n_batch, n_ubatch=c.n_ubatch, flash_attn=c.flash_attn,
                 type_k=KV_TYPES[c.type_k], type_v=KV_TYPES[c.type_v], swa_full=c.swa_full, verbose=False)
 
-    def turn(self, prompt: list[int], n_tokens: int) -> tuple[float, float, int]:
-        """Greedy-generate n_tokens after prompt, reusing the longest cached prefix.
+    def turn(self, prompt: list[int], reply: list[int]) -> tuple[float, float, int]:
+        """Evaluate prompt reusing the longest cached prefix, sample the first token, then decode
+        `reply` (localchat's own reply tokens, so the next prompt's prefix is fully cached too).
         Returns (TTFT seconds, decode tokens/s, prompt tokens evaluated)."""
-        before = self.llm.n_tokens
+        llm = self.llm
         cached = 0
-        while cached < min(before, len(prompt)) and self.llm._input_ids[cached] == prompt[cached]:
+        limit = min(llm.n_tokens, len(prompt) - 1)
+        while cached < limit and llm._input_ids[cached] == prompt[cached]:
             cached += 1
+        llm._ctx.kv_cache_seq_rm(-1, cached, -1)
+        llm.n_tokens = cached
         t0 = time.perf_counter()
-        first = last = 0.0
-        n = 0
-        for _tok in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            n += 1
-            now = time.perf_counter()
-            if n == 1:
-                first = now
-            last = now
-            if n >= n_tokens:
-                break
-        tps = (n - 1) / (last - first) if n > 1 and last > first else 0.0
-        return first - t0, tps, len(prompt) - min(cached, len(prompt) - 1)
+        llm.eval(prompt[cached:])
+        llm.sample(temp=0.0, top_k=1)
+        ttft = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for tok in reply[:-1]:
+            llm.eval([tok])
+            llm.sample(temp=0.0, top_k=1)
+        tps = (len(reply) - 1) / (time.perf_counter() - t1) if len(reply) > 1 else 0.0
+        return ttft, tps, len(prompt) - cached
 
     def close(self) -> None:
         self.llm.close()

@@ -34,7 +34,7 @@ def test_no_pickle_on_any_load_path(tally):
     src = Path(localchat.__file__).parent
     for f in src.rglob("*.py"):
         text = f.read_text()
-        ok = not re.search(r"\b(pickle|marshal|shelve|dill|cloudpickle)\b|\beval\(|\bexec\(|unsafe_load|full_load|"
+        ok = not re.search(r"\b(pickle|marshal|shelve|dill|cloudpickle)\b|(?<![.\w])(eval|exec)\(|unsafe_load|full_load|"
                            r"FullLoader|UnsafeLoader|yaml\.Loader\b", text)
         tally.case(ok)
         assert ok, f
