@@ -25,7 +25,6 @@ from typing import Sequence
 import psutil
 
 from localchat import runtime
-from localchat.chat import ChatSession
 from localchat.cli import _profile_args, overrides
 from localchat.engine import Engine, Generation, SamplingConfig, llama_version
 from localchat.peer import PeerServer, run_llama_bench

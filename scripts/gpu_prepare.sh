@@ -11,12 +11,14 @@ S=$(ls -d $W/llama_cpp_python-* | head -1)
 export PYTHONPATH=$W/site:$S:$S/vendor/llama.cpp/gguf-py
 t0=$(date +%s)
 gen() { [ -f $W/models/$1.gguf ] || python3 $G/make_model.py $G/vocab-smollm2.gguf $W/models/$1-f16.gguf $2 $3 $4 $5 $6 > $W/gen-$1.log 2>&1; }
-gen 7b-mha 32 4096 32 32 11008 & P1=$!
-gen 8b-gqa 32 4096 32 8 14336 & P2=$!
+WANT=${MODELS:-"7b-mha 8b-gqa"}
+P1=; P2=
+case " $WANT " in *" 7b-mha "*) gen 7b-mha 32 4096 32 32 11008 & P1=$! ;; esac
+case " $WANT " in *" 8b-gqa "*) gen 8b-gqa 32 4096 32 8 14336 & P2=$! ;; esac
 MODELS=tiny bash $G/build.sh > $W/build-all.log 2>&1 || { tail -30 $W/build-all.log; exit 1; }
 echo "build done at $(( $(date +%s) - t0 )) s"
 wait $P1 $P2
-for m in 7b-mha 8b-gqa; do
+for m in $WANT; do
   [ -f $W/models/$m.gguf ] && continue
   $W/build/bin/llama-quantize $W/models/$m-f16.gguf $W/models/$m.gguf Q4_K_M "$(nproc)" > $W/quant-$m.log 2>&1 \
     && rm -f $W/models/$m-f16.gguf || { tail -5 $W/quant-$m.log; exit 1; }
