@@ -180,3 +180,26 @@ def test_ctrl_d_exits_after_the_autosave_completes(home, demo_path):
     meta = json.loads((home / "sessions" / "bye" / "meta.json").read_text())
     assert meta["turns"] == 1
     assert (home / "sessions" / "bye" / "kv.state").stat().st_size > 0
+
+
+def test_quit_command_exits_after_saving_and_history_is_kept_per_session(home, demo_path):
+    h = Harness(home, session="hist")
+    h.say("Hello there")
+    h.wait(lambda: h.repl.session.app.is_running)
+    h.type("/quit" + ENTER)
+    h.thread.join(60)
+    assert not h.thread.is_alive()
+    h.ctl.close()
+    h._pipe.__exit__(None, None, None)
+    h.rt.close()
+    history = (home / "sessions" / "hist" / "input_history").read_text()
+    assert "Hello there" in history and "/quit" in history
+    assert (home / "sessions" / "hist" / "kv.state").exists()
+
+
+def test_bracketed_paste_keeps_newlines_in_one_message(ui):
+    ui.wait(lambda: ui.repl.session.app.is_running)
+    n = len(ui.stats)
+    ui.type("\x1b[200~first pasted line\nsecond pasted line\x1b[201~" + ENTER)
+    ui.wait(lambda: len(ui.stats) > n)
+    assert ui.ctl.chat.conv.messages[0].content == "first pasted line\nsecond pasted line"

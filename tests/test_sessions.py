@@ -211,15 +211,14 @@ def test_kill_9_during_autosave_never_loses_a_turn(home, tmp_path, trial):
                              "--stats-json", str(stats)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, text=True, env={**os.environ, "LOCALCHAT_HOME": str(home)})
     proc.stdin.write("".join(f"Question number {i}?\n" for i in range(6)))
-    proc.stdin.flush()
+    proc.stdin.close()  # at the end of input the last KV save runs too (deferred saves happen on exit)
     # kill the moment a state write is under way (its temp file exists), after a random number of saves
-    target = rng.randint(1, 4)
-    seen = 0
-    while seen < target and proc.poll() is None:
-        if _wait_for(lambda: any(p.name.startswith(".kv.state.tmp") for p in sdir.glob(".*")) or proc.poll() is not None):
-            seen += 1
-            if seen < target:
-                _wait_for(lambda: not any(p.name.startswith(".kv.state.tmp") for p in sdir.glob(".*")))
+    writing = lambda: any(p.name.startswith(".kv.state.tmp") for p in sdir.glob(".*"))  # noqa: E731
+    for _ in range(rng.randint(1, 4)):
+        _wait_for(lambda: not writing() or proc.poll() is not None)
+        _wait_for(lambda: writing() or proc.poll() is not None)
+        if proc.poll() is not None:
+            break
     time.sleep(rng.random() * 0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -27,7 +27,7 @@ def start(home: Path, name: str, stats: Path | None = None) -> subprocess.Popen:
                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
                          env={**os.environ, "LOCALCHAT_HOME": str(home)})
     p.stdin.write(QUESTIONS)
-    p.stdin.flush()
+    p.stdin.close()  # the last (or deferred) KV save runs at the end of input
     return p
 
 
@@ -62,9 +62,7 @@ def test_kill_9(home, tmp_path, tally, moment, trials):
         sdir = home / "sessions" / name
         stats = tmp_path / f"{name}.jsonl"
         if moment == "resume":
-            first = start(home, name, stats)
-            first.stdin.close()
-            first.wait(300)
+            start(home, name, stats).wait(300)
             state = sdir / "kv.state"
             data = bytearray(state.read_bytes())
             data[-100] ^= 0xFF  # a damaged state forces the rebuild, the longest part of a resume
@@ -78,10 +76,10 @@ def test_kill_9(home, tmp_path, tally, moment, trials):
             if moment == "turn":
                 time.sleep(0.3 + rng.random() * 4)
             else:  # the moment a state write is under way, after 1 to 3 saves
+                writing = lambda: any(x.name.startswith(".kv.state.tmp") for x in sdir.glob(".*"))  # noqa: E731
                 for _ in range(rng.randint(1, 3)):
-                    _wait(lambda: not any(x.name.startswith(".kv.state.tmp") for x in sdir.glob(".*")))
-                    _wait(lambda: any(x.name.startswith(".kv.state.tmp") for x in sdir.glob(".*"))
-                          or p.poll() is not None)
+                    _wait(lambda: not writing() or p.poll() is not None)
+                    _wait(lambda: writing() or p.poll() is not None)
                 time.sleep(rng.random() * 0.005)
         p.send_signal(signal.SIGKILL)
         p.wait()
