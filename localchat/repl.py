@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from typing import Callable
 
 from prompt_toolkit import PromptSession
@@ -19,7 +20,7 @@ from prompt_toolkit.formatted_text import FormattedText
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.key_binding import KeyBindings
-from prompt_toolkit.layout import HSplit, Layout, Window
+from prompt_toolkit.layout import Dimension, HSplit, Layout, Window
 from prompt_toolkit.layout.controls import BufferControl, FormattedTextControl
 from prompt_toolkit.output import Output
 from prompt_toolkit.shortcuts import print_formatted_text
@@ -44,6 +45,8 @@ STYLE = Style.from_dict({
 })
 
 AfterTurn = Callable[[TurnStats], None]
+REDRAW_INTERVAL = 0.25  # seconds between redraws of the live reply and status bar
+LIVE_ROWS, LIVE_CHARS = 8, 1200
 
 
 def bar_state(ctl: SessionControl) -> status.BarState:
@@ -75,6 +78,7 @@ class Repl:
         self.reply = ""
         self.cancel = threading.Event()
         self._app: Application | None = None
+        self._drawn = 0.0
         ctl.on_status = self._on_save_status
         self.session: PromptSession = self._prompt_session()
 
@@ -84,7 +88,10 @@ class Repl:
         self._invalidate()
 
     def _invalidate(self) -> None:
-        if self._app is not None and self._app.is_running:
+        # a redraw holds the GIL the generating thread needs: a few per second is enough to read
+        now = time.monotonic()
+        if self._app is not None and self._app.is_running and now - self._drawn >= REDRAW_INTERVAL:
+            self._drawn = now
             self._app.invalidate()
 
     def _toolbar(self) -> FormattedText:
@@ -110,9 +117,9 @@ class Repl:
 
     # ------------------------------------------------------------ a turn
     def _reply_view(self) -> FormattedText:
-        lines = self.reply.split("\n")
-        rows = max(3, (self.output.get_size().rows if self.output else 24) - 3)
-        return FormattedText([("", "\n".join(lines[-rows:]))])
+        # only the tail is live (the whole reply is printed when it ends): a small view redraws cheaply
+        tail = self.reply[-LIVE_CHARS:]
+        return FormattedText([("", "\n".join(tail.split("\n")[-LIVE_ROWS:]))])
 
     async def _run_turn(self, job: Callable[[Callable[[str], None], Callable[[], bool]], TurnStats | str | None],
                         typeahead: Buffer) -> TurnStats | str | None:
@@ -142,12 +149,12 @@ class Repl:
             self._invalidate()
 
         layout = Layout(HSplit([
-            Window(FormattedTextControl(self._reply_view), wrap_lines=True),
+            Window(FormattedTextControl(self._reply_view), wrap_lines=True, height=Dimension(max=LIVE_ROWS)),
             Window(BufferControl(typeahead), height=1),
             Window(FormattedTextControl(self._toolbar), height=1, style="class:bottom-toolbar"),
         ]), focused_element=typeahead)
         app: Application = Application(layout=layout, key_bindings=kb, style=STYLE, input=self.input,
-                                       output=self.output, erase_when_done=True, min_redraw_interval=0.05)
+                                       output=self.output, erase_when_done=True, min_redraw_interval=REDRAW_INTERVAL)
         self._app = app
         loop = asyncio.get_running_loop()
         result: dict = {}

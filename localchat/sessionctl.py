@@ -159,10 +159,7 @@ class SessionControl:
     def _rebuild_progress(self, done: int, total: int) -> None:
         self.on_status(f"rebuilding {done}/{total}")
         if total >= 256:
-            self.report_inline(f"rebuilding KV: {done}/{total} tokens")
-
-    def report_inline(self, text: str) -> None:
-        self.report("\r" + text)
+            self.report(f"\rrebuilding KV: {done}/{total} tokens")
 
     # ------------------------------------------------------------ turns
     def turn(self, text: str, on_text=None, cancelled=None, progress=None) -> TurnStats:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from localchat.stats import TurnStats
 
@@ -27,7 +27,6 @@ class BarState:
     live_tokens: int = 0  # tokens generated so far in this reply
     autosave: str = ""  # saved, saving, failed: <why>, off
     notice: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 def _mib(n: float) -> str:
