@@ -139,7 +139,8 @@ class ChatSession:
             raise ContextFullError(f"this message ({len(body)} tokens) does not fit in the context "
                                    f"({e.n_ctx} tokens); shorten it or raise --ctx")
         self._make_room(len(head) + len(body) + self.settings.max_tokens, st)
-        head, body = self._delta(text)  # the head depends on whether anything is left in the window
+        if st.shifted_tokens:
+            head, body = self._delta(text)  # the head depends on whether anything is left in the window
         new_len = len(head) + len(body) + (len(self.conv.prefix) if not self.conv.messages else 0)
         self._record(self.conv.add_user(text, head, body))
         prompt = self.conv.window_tokens()

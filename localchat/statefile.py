@@ -56,18 +56,34 @@ def read_header(path: Path) -> tuple[StateHeader, int]:
         size = path.stat().st_size
         with path.open("rb") as f:
             head = f.read(_PREFIX.size)
-            if len(head) < _PREFIX.size:
-                raise StateRejected(f"state file is truncated ({size} bytes)")
-            magic, version, hlen = _PREFIX.unpack(head)
-            if magic != MAGIC:
-                raise StateRejected("state file has no localchat header (foreign or damaged file)")
-            if version != VERSION:
-                raise StateRejected(f"state file format {version} is not {VERSION}")
-            if hlen > MAX_HEADER or _PREFIX.size + hlen > size:
-                raise StateRejected(f"state header length {hlen} is impossible for a {size}-byte file")
+            hlen = _check_prefix(head, size)
             raw = f.read(hlen)
     except OSError as exc:
         raise StateRejected(f"cannot read the state file: {exc.strerror}") from exc
+    return _parse_header(raw, hlen, size)
+
+
+def read_header_bytes(data: bytes) -> tuple[StateHeader, int]:
+    """read_header for a state held in memory (tests, tools)."""
+    hlen = _check_prefix(data[:_PREFIX.size], len(data))
+    return _parse_header(data[_PREFIX.size:_PREFIX.size + hlen], hlen, len(data))
+
+
+def _check_prefix(head: bytes, size: int) -> int:
+    """Magic, version and a header length the file can hold; returns the header length."""
+    if len(head) < _PREFIX.size:
+        raise StateRejected(f"state file is truncated ({size} bytes)")
+    magic, version, hlen = _PREFIX.unpack(head)
+    if magic != MAGIC:
+        raise StateRejected("state file has no localchat header (foreign or damaged file)")
+    if version != VERSION:
+        raise StateRejected(f"state file format {version} is not {VERSION}")
+    if hlen > MAX_HEADER or _PREFIX.size + hlen > size:
+        raise StateRejected(f"state header length {hlen} is impossible for a {size}-byte file")
+    return hlen
+
+
+def _parse_header(raw: bytes, hlen: int, size: int) -> tuple[StateHeader, int]:
     try:
         d = json.loads(raw)
         header = StateHeader(str(d["fingerprint"]), dict(d["kv_settings"]), [int(t) for t in d["tokens"]],
@@ -79,15 +95,6 @@ def read_header(path: Path) -> tuple[StateHeader, int]:
         raise StateRejected(f"state file is {size} bytes, its header says {offset + header.payload_size} "
                             "(truncated or padded)")
     return header, offset
-
-
-def read_header_bytes(data: bytes) -> tuple[StateHeader, int]:
-    """read_header for a state held in memory (tests, tools)."""
-    import tempfile
-    with tempfile.NamedTemporaryFile() as f:
-        f.write(data)
-        f.flush()
-        return read_header(Path(f.name))
 
 
 def check_header(header: StateHeader, fingerprint: str, kv_settings: dict[str, Any]) -> None:
