@@ -11,10 +11,12 @@ TTFT taken at the client) with --peer-server. All modes replay the token sequenc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -47,6 +49,7 @@ class Row:
     decode_tps: float
     wall_s: float = 0.0
     save_s: float = 0.0
+    repeat: int = 0  # 0: the run itself; k: the k-th interleaved repeat of the last turn
 
 
 def _progress(done: int, total: int, label: str) -> None:
@@ -121,6 +124,8 @@ def _resume(rt: runtime.Runtime, ctl: SessionControl, store: SessionStore) -> di
     engine.load_state(payload, header.tokens)
     load_s = time.perf_counter() - t0
     ctl.chat.kv_restored = True
+    ctl.chat.drop_warm()  # the timed load replaced the KV that resume() had warmed
+    ctl.chat.warm_next_head()
     faster = "restore" if load_s < prefill_s else "re-prefill"
     chosen = "restore" if chose_restore else "re-prefill"
     return {"tokens": len(window), "state_bytes": header.payload_size, "load_s": load_s, "reprefill_s": prefill_s,
@@ -155,33 +160,72 @@ def run_recompute(engine: Engine, prompts: list[list[int]], replies: list[list[i
     return rows
 
 
-def run_raw(config, prompts: list[list[int]], replies: list[list[int]], kv: str, progress) -> list[Row]:
-    from localchat.rawbaseline import RawLlama
-    raw = RawLlama(config)
+def run_raw(raw, prompts: list[list[int]], replies: list[list[int]], kv: str, progress) -> list[Row]:
     rows = []
-    try:
-        for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
-            ttft, tps, evaluated = raw.turn(prompt, n)
-            rows.append(Row("raw", kv, i, len(prompt), evaluated, ttft, 0.0, tps))
-            progress(f"raw llama-cpp-python {kv} turn {i}")
-    finally:
-        raw.close()
+    for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
+        ttft, tps, evaluated = raw.turn(prompt, n)
+        rows.append(Row("raw", kv, i, len(prompt), evaluated, ttft, 0.0, tps))
+        progress(f"raw llama-cpp-python {kv} turn {i}")
     return rows
 
 
-def run_server(path: str, config, prompts, replies, kv: str, progress) -> list[Row]:
+def run_server(server: PeerServer, prompts, replies, kv: str, progress) -> list[Row]:
     rows = []
-    with PeerServer(path, config) as server:
-        for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
-            r = server.completion(prompt, max(len(n), 1))
-            rows.append(Row("server", kv, i, len(prompt), r["prompt_n"], r["ttft_s"], r["prompt_ms"] / 1000,
-                            r["decode_tps"]))
-            progress(f"llama-server {kv} turn {i}")
+    for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
+        r = server.completion(prompt, max(len(n), 1))
+        rows.append(Row("server", kv, i, len(prompt), r["prompt_n"], r["ttft_s"], r["prompt_ms"] / 1000,
+                        r["decode_tps"]))
+        progress(f"llama-server {kv} turn {i}")
+    return rows
+
+
+def repeat_last_turn(rt: runtime.Runtime, last_text: str, prompts: list[list[int]], replies: list[list[int]],
+                     raw, server: PeerServer | None, kv: str, rounds: int, progress) -> list[Row]:
+    """The last turn again, `rounds` times, the modes interleaved within each round, so that a
+    slow spell of the machine hits every mode alike; the summary takes medians."""
+    chat, engine = rt.chat, rt.engine
+    prompt, reply = prompts[-1], replies[-1]
+    chat.undo()  # back to the conversation before the last turn; recompute cleared the KV
+    before = chat.conv.window_tokens()
+    sampler = engine.make_sampler(SamplingConfig(temperature=0))
+    rows = []
+    for k in range(1, rounds + 1):
+        engine.prefill(before)  # the state after the previous turn (nothing to do from the second round on)
+        chat.warm_next_head()  # as after_turn does once a reply has been shown
+        st = chat.turn(last_text)
+        rows.append(Row("resume", kv, len(prompts), st.prompt_tokens, st.recomputed_tokens, st.ttft_s, st.prefill_s,
+                        st.decode_tps, repeat=k))
+        chat.undo()
+        progress(f"last turn again {k}/{rounds}: localchat {kv}")
+        engine.clear()
+        t0 = time.perf_counter()
+        pre = engine.prefill(prompt)
+        first = Generation(tokens=[])
+        for _ in engine.generate(sampler, 1, first):
+            pass
+        rows.append(Row("recompute", kv, len(prompts), len(prompt), pre.recomputed, first.first_token_at - t0,
+                        pre.seconds, 0.0, repeat=k))
+        progress(f"last turn again {k}/{rounds}: recompute {kv}")
+        if raw is not None:
+            ttft, tps, evaluated = raw.turn(prompt, reply, keep=len(before))
+            rows.append(Row("raw", kv, len(prompts), len(prompt), evaluated, ttft, 0.0, tps, repeat=k))
+            progress(f"last turn again {k}/{rounds}: raw {kv}")
+        if server is not None:
+            server.completion(before, 1)  # its cache back to the previous turn's tokens
+            r = server.completion(prompt, max(len(reply), 1))
+            rows.append(Row("server", kv, len(prompts), len(prompt), r["prompt_n"], r["ttft_s"], r["prompt_ms"] / 1000,
+                            r["decode_tps"], repeat=k))
+            progress(f"last turn again {k}/{rounds}: llama-server {kv}")
+    engine.clear()
     return rows
 
 
 def _by(rows: list[Row], mode: str) -> list[Row]:
-    return [r for r in rows if r.mode == mode]
+    return [r for r in rows if r.mode == mode and not r.repeat]
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
 
 
 def summarize(result: dict) -> list[str]:
@@ -205,23 +249,27 @@ def summarize(result: dict) -> list[str]:
 
 
 def _summary(rows: list[Row], res: dict, turns: int) -> dict:
-    last = lambda mode: next((r for r in rows if r.mode == mode and r.turn == turns), None)  # noqa: E731
-    ours = last("resume") or last("localchat")
-    out: dict = {}
-    rec = last("recompute")
+    def last(mode: str) -> list[Row]:
+        """Every sample of the last turn: the run's own and its interleaved repeats."""
+        return [r for r in rows if r.turn == turns and (r.mode == mode or (mode == "resume" and r.mode == "localchat"))]
+
+    ours, rec, raw, srv = last("resume"), last("recompute"), last("raw"), last("server")
+    out: dict = {"last_turn_samples": len(ours)}
+    ttft = {m: _median([r.ttft_s for r in v]) for m, v in
+            (("localchat", ours), ("recompute", rec), ("raw", raw), ("server", srv)) if v}
+    out["ttft_last_turn_median_s"] = {m: round(v, 4) for m, v in ttft.items()}
     if rec and ours:
-        out["ttft_ratio_recompute_over_localchat"] = round(rec.ttft_s / ours.ttft_s, 2)
-    raw = last("raw")
+        out["ttft_ratio_recompute_over_localchat"] = round(ttft["recompute"] / ttft["localchat"], 2)
     if raw and ours:
-        out["ttft_localchat_over_raw"] = round(ours.ttft_s / raw.ttft_s, 3)
-        lc_tps = [r.decode_tps for r in rows if r.mode in ("localchat", "resume")]
-        raw_tps = [r.decode_tps for r in rows if r.mode == "raw"]
+        out["ttft_localchat_over_raw"] = round(ttft["localchat"] / ttft["raw"], 3)
+        lc_tps = [r.decode_tps for r in rows if r.mode in ("localchat", "resume") and not r.repeat]
+        raw_tps = [r.decode_tps for r in _by(rows, "raw")]
         out["decode_localchat_over_raw"] = round(sum(lc_tps) / sum(raw_tps), 3)
-    srv = last("server")
     if srv and ours:
-        out["ttft_localchat_over_server"] = round(ours.ttft_s / srv.ttft_s, 3)
-    ours_rows = [r for r in rows if r.mode in ("localchat", "resume")]
-    out["recomputed_total"] = {m: sum(r.recomputed_tokens for r in rows if r.mode == m)
+        out["ttft_localchat_over_server"] = round(ttft["localchat"] / ttft["server"], 3)
+    out["decode_last_turn_median_tps"] = round(_median([r.decode_tps for r in ours]), 2)
+    ours_rows = [r for r in rows if r.mode in ("localchat", "resume") and not r.repeat]
+    out["recomputed_total"] = {m: sum(r.recomputed_tokens for r in _by(rows, m))
                                for m in ("recompute", "localchat", "resume", "raw", "server") if _by(rows, m)}
     out["autosave_copy_s_mean"] = round(sum(r.save_s for r in ours_rows) / len(ours_rows), 4)
     out["autosave_share_of_turn_wall"] = round(sum(r.save_s for r in ours_rows) / sum(r.wall_s for r in ours_rows), 4)
@@ -229,6 +277,58 @@ def _summary(rows: list[Row], res: dict, turns: int) -> dict:
     out["host_overhead_mb_with_autosave_copies"] = round(res["host_overhead_bytes"] / 1e6, 1)
     out["resume"] = res["resume"]
     return out
+
+
+def run_kv(args, profile, home: Path, kv: str, progress, result: dict) -> dict:
+    """Every mode for one KV type. The peers stay loaded beside localchat (a second and a third
+    copy of the model) so that the last turn's repeats can interleave them."""
+    peer_errors = []
+    with contextlib.ExitStack() as stack:
+        rt = runtime.open_runtime(profile, lambda t: sys.stderr.write(t + "\n"))
+        stack.callback(rt.close)
+        rt.chat.conv.system = _text_of(rt.engine, args.system_tokens, "system")
+        users = [_text_of(rt.engine, args.user_tokens, f"question {i}") for i in range(args.turns)]
+        res = run_localchat(rt, args, users, home, kv, progress)
+        prompts, replies = res["prompts"], res["replies"]
+        ram: dict = {}
+        rows = res["rows"] + run_recompute(rt.engine, prompts, replies, kv, progress, ram)
+        cfg = rt.engine.config
+        result.setdefault("machine", {"model": rt.model.name, "profile": profile.name, "n_ctx": rt.engine.n_ctx,
+                                      "n_gpu_layers": cfg.n_gpu_layers, "threads": cfg.threads(),
+                                      "flash_attn": cfg.flash_attn, "cpu_count": os.cpu_count()})
+        raw = server = None
+        if not args.no_raw:
+            from localchat.rawbaseline import RawLlama
+            try:
+                raw = RawLlama(cfg)
+                stack.callback(raw.close)
+                rows += run_raw(raw, prompts, replies, kv, progress)
+            except (ValueError, RuntimeError) as exc:  # no room for a second copy of the model
+                peer_errors.append(f"raw llama-cpp-python: {exc}")
+                raw = None
+        if args.peer_server:
+            try:
+                server = stack.enter_context(PeerServer(args.peer_server, cfg))
+                rows += run_server(server, prompts, replies, kv, progress)
+            except (OSError, RuntimeError, ValueError) as exc:  # the peer failing must not lose our figures
+                peer_errors.append(f"llama-server: {exc}")
+                server = None
+        if args.repeat:
+            rows += repeat_last_turn(rt, users[-1], prompts, replies, raw, server, kv, args.repeat, progress)
+    part = {"rows": [asdict(r) for r in rows], "summary": _summary(rows, res, args.turns)}
+    part["summary"].update(ram)
+    if peer_errors:
+        part["summary"]["peer_error"] = "; ".join(peer_errors)
+    if args.llama_bench:
+        depth = len(prompts[-1])
+        ours = part["summary"]["decode_last_turn_median_tps"]
+        try:
+            lb = run_llama_bench(args.llama_bench, cfg, depth, args.reply_tokens)
+            part["summary"]["llama_bench"] = {"depth": depth, "tg_tps": lb, "localchat_tps": ours,
+                                              "localchat_over_llama_bench": round(ours / lb, 3)}
+        except (OSError, RuntimeError, ValueError, KeyError, IndexError) as exc:
+            part["summary"]["llama_bench"] = {"error": str(exc)}
+    return part
 
 
 def main(argv: Sequence[str]) -> int:
@@ -245,15 +345,21 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--llama-bench", metavar="PATH", help="llama-bench binary: decode speed at the same depth")
     p.add_argument("--no-raw", action="store_true", help="skip the plain llama-cpp-python baseline")
     p.add_argument("--kv", nargs="*", default=None, help="KV types to run (default: f16 and q8_0 where allowed)")
+    p.add_argument("--repeat", type=int, default=None, metavar="N",
+                   help="run the last turn N more times, the modes interleaved; ratios use medians "
+                        "(default 4, --quick 0)")
     args = p.parse_args(argv)
     if args.quick:
         args.turns, args.system_tokens, args.user_tokens, args.reply_tokens = 6, 384, 100, 32
+    if args.repeat is None:
+        args.repeat = 0 if args.quick else 4
     o = overrides(args)
     o["temperature"] = 0.0
     o["max_tokens"] = args.reply_tokens
     base = runtime.load_profile(args.profile, o)
     kvs = args.kv or (["f16", "q8_0"] if base.flash_attn else ["f16"])
-    total_steps = len(kvs) * args.turns * (3 + bool(args.peer_server) - bool(args.no_raw))
+    modes = 3 + bool(args.peer_server) - bool(args.no_raw)
+    total_steps = len(kvs) * (args.turns + args.repeat) * modes
     done = [0]
 
     def progress(label: str) -> None:
@@ -262,47 +368,12 @@ def main(argv: Sequence[str]) -> int:
 
     result: dict = {"versions": {"llama_cpp_python": llama_version()}, "workload": {
         "turns": args.turns, "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
-        "reply_tokens": args.reply_tokens}, "kv": {}}
+        "reply_tokens": args.reply_tokens, "last_turn_repeats": args.repeat}, "kv": {}}
     with tempfile.TemporaryDirectory(prefix="localchat-bench-") as tmp:
         os.environ["LOCALCHAT_HOME"] = tmp  # the bench's sessions and speeds never touch the user's
         for kv in kvs:
             profile = dataclasses.replace(base, type_k=kv, type_v=kv)
-            rt = runtime.open_runtime(profile, lambda t: sys.stderr.write(t + "\n"))
-            try:
-                rt.chat.conv.system = _text_of(rt.engine, args.system_tokens, "system")
-                users = [_text_of(rt.engine, args.user_tokens, f"question {i}") for i in range(args.turns)]
-                res = run_localchat(rt, args, users, Path(tmp), kv, progress)
-                ram: dict = {}
-                rows = res["rows"] + run_recompute(rt.engine, res["prompts"], res["replies"], kv, progress, ram)
-                cfg = rt.engine.config
-                result.setdefault("machine", {"model": rt.model.name, "profile": profile.name,
-                                              "n_ctx": rt.engine.n_ctx, "n_gpu_layers": cfg.n_gpu_layers,
-                                              "threads": cfg.threads(), "flash_attn": cfg.flash_attn,
-                                              "cpu_count": os.cpu_count()})
-            finally:
-                rt.close()
-            if not args.no_raw:
-                rows += run_raw(cfg, res["prompts"], res["replies"], kv, progress)
-            peer_error = ""
-            if args.peer_server:
-                try:
-                    rows += run_server(args.peer_server, cfg, res["prompts"], res["replies"], kv, progress)
-                except (OSError, RuntimeError, ValueError) as exc:  # the peer failing must not lose our figures
-                    peer_error = f"llama-server: {exc}"
-            part = {"rows": [asdict(r) for r in rows], "summary": _summary(rows, res, args.turns)}
-            part["summary"].update(ram)
-            if peer_error:
-                part["summary"]["peer_error"] = peer_error
-            if args.llama_bench:
-                depth = len(res["prompts"][-1])
-                ours = [r.decode_tps for r in rows if r.mode in ("localchat", "resume") and r.turn == args.turns]
-                try:
-                    lb = run_llama_bench(args.llama_bench, cfg, depth, args.reply_tokens)
-                    part["summary"]["llama_bench"] = {"depth": depth, "tg_tps": lb, "localchat_tps": ours[0],
-                                                      "localchat_over_llama_bench": round(ours[0] / lb, 3)}
-                except (OSError, RuntimeError, ValueError, KeyError, IndexError) as exc:
-                    part["summary"]["llama_bench"] = {"error": str(exc)}
-            result["kv"][kv] = part
+            result["kv"][kv] = run_kv(args, profile, Path(tmp), kv, progress, result)
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     sys.stderr.write("\n")
     if args.json:
@@ -327,7 +398,8 @@ def _plot(result: dict, path: str) -> None:
     for kv, part in result["kv"].items():
         rows = [Row(**r) for r in part["rows"]]
         for mode in ("recompute", "localchat", "raw", "server"):
-            pts = [(r.turn, r.ttft_s) for r in rows if r.mode == mode or (mode == "localchat" and r.mode == "resume")]
+            pts = [(r.turn, r.ttft_s) for r in rows
+                   if not r.repeat and (r.mode == mode or (mode == "localchat" and r.mode == "resume"))]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=f"{mode} ({kv})")
     ax.set_xlabel("turn")

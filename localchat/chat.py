@@ -61,6 +61,9 @@ class ChatSession:
         self.pending_cause = ""  # why the next turn may recompute (state rejected, system changed)
         self._sampler = engine.make_sampler(settings.sampling)
         self._bos = engine.special_text("bos")
+        self._template_tokens: dict[tuple[str, bool], list[int]] = {}
+        # the next turn's head, evaluated after the reply: where it starts in the KV, how long it is
+        self._warm_base, self._warm_n = 0, 0
         self.events: list[dict] = []  # transcript records not yet persisted, drained by the store
         # called with the prefix tokens once the KV holds exactly them (the shared prefix cache)
         self.on_prefix: Callable[[list[int], float], None] | None = None
@@ -73,7 +76,13 @@ class ChatSession:
 
     # ---------------------------------------------------------------- deltas
     def _tok(self, text: str, special: bool = True, bos: bool = False) -> list[int]:
-        return self.engine.tokenize(text, special=special, add_bos=bos)
+        if not special:
+            return self.engine.tokenize(text, special=False, add_bos=bos)
+        # template text repeats every turn: tokenized once
+        key = (text, bos)
+        if key not in self._template_tokens:
+            self._template_tokens[key] = self.engine.tokenize(text, special=True, add_bos=bos)
+        return list(self._template_tokens[key])
 
     def _prefix_tokens(self) -> list[int]:
         before = self.fmt.first_turn(self.conv.system, "").before
@@ -115,22 +124,27 @@ class ChatSession:
             freed += end - start
         if not chosen:
             return
-        in_sync = e.tokens[:e.n_kv] == window[:e.n_kv] and e.n_kv >= chosen[-1][2]
+        held = min(e.n_kv, len(window))  # a warmed head may follow the window
+        in_sync = e.tokens[:held] == window[:held] and held >= chosen[-1][2]
         # a sliding-window cache holds only recent positions: after the shift, the window of the
         # next token must fall inside the kept tail, or its oldest positions would be missing
         window_safe = not e.n_swa or e.config.swa_full or e.n_kv - chosen[-1][2] >= e.n_swa
         if self.overflow == "shift" and e.can_shift and in_sync and window_safe:
             for _, start, end in reversed(chosen):
                 e.shift_out(start, end - start)
+            self._warm_base -= freed  # a warmed head moved down with the rest
+        else:
+            self._warm_n = 0
         self.conv.evict([c[0] for c in chosen], freed)
         self.events.append({"t": "evict", "users": [c[0] for c in chosen], "tokens": freed})
         st.shifted_tokens = freed
 
     # ---------------------------------------------------------------- turns
     def turn(self, text: str, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
-             progress: Progress | None = None) -> TurnStats:
+             progress: Progress | None = None, started: float | None = None) -> TurnStats:
+        """One exchange; `started` (perf_counter) is when the user's message arrived, for the TTFT."""
         e = self.engine
-        t0 = time.perf_counter()
+        t0 = started if started is not None else time.perf_counter()
         st = TurnStats(turn=self.conv.turns + 1, n_ctx=e.n_ctx, kv_restored=self.kv_restored)
         if not self.conv.prefix:
             self.set_system(self.conv.system, cause="")
@@ -142,6 +156,7 @@ class ChatSession:
         if st.shifted_tokens:
             head, body = self._delta(text)  # the head depends on whether anything is left in the window
         new_len = len(head) + len(body) + (len(self.conv.prefix) if not self.conv.messages else 0)
+        warm_base, warm_n, self._warm_n = self._warm_base, self._warm_n, 0
         self._record(self.conv.add_user(text, head, body))
         prompt = self.conv.window_tokens()
         n_kv_before = e.n_kv
@@ -154,7 +169,10 @@ class ChatSession:
             self._record(self.conv.add_reply("", [], cut=True))
             st.stop_reason, st.cut = "cancelled", True
             return self._finish(st, t0, gen)
-        st.cached_tokens, st.recomputed_tokens, st.prefill_s = pre.cached, pre.recomputed, pre.seconds
+        # the head evaluated after the last reply belongs to this turn's work, done ahead of time
+        warmed = max(0, min(warm_n, pre.cached - warm_base))
+        st.cached_tokens, st.recomputed_tokens, st.prefill_s = pre.cached - warmed, pre.recomputed + warmed, pre.seconds
+        st.extra["idle_tokens"] = warmed
         st.first_diff = pre.first_diff
         scanner = StopScanner(self.fmt.stop_strings)
         stopped = False
@@ -240,6 +258,37 @@ class ChatSession:
         self.history.append(st)
         return st
 
+    # ---------------------------------------------------------------- idle work
+    def warm_next_head(self) -> int:
+        """Evaluate the next turn's head (the reply's end-of-turn token, the user header) now, while
+        the user reads, so the next first token waits only for the user's words. Returns the tokens."""
+        e, msgs = self.engine, self.conv.messages
+        # a sliding-window cache could not take the head back out for a save (see drop_warm)
+        if self._warm_n or not msgs or msgs[-1].role != "assistant" or (e.n_swa and not e.config.swa_full):
+            return 0
+        window = self.conv.window_tokens()
+        head, _ = self._delta("")
+        in_sync = len(window) - 1 <= e.n_kv <= len(window) and e.tokens[:e.n_kv] == window[:e.n_kv]
+        if not head or not in_sync or len(window) + len(head) + 1 >= e.n_ctx:
+            return 0
+        base = e.n_kv
+        e.prefill(window + head)
+        e.synchronize()  # done now, in idle time, not inside the next turn's wait for its first token
+        self._warm_base, self._warm_n = base, e.n_kv - base
+        return self._warm_n
+
+    def drop_warm(self) -> bool:
+        """Take a warmed head back out of the KV: a saved state holds the transcript's tokens only."""
+        if not self._warm_n:
+            return False
+        self._warm_n = 0
+        window = self.conv.window_tokens()
+        e = self.engine
+        if e.n_kv > len(window) and e.tokens[:len(window)] == window:
+            e.truncate(len(window))
+            return True
+        return False
+
     # ---------------------------------------------------------------- commands
     def undo(self) -> bool:
         """Drop the last exchange; True when the KV was rewound without recomputing."""
@@ -247,6 +296,7 @@ class ChatSession:
             return False
         self.conv.drop_last_exchange()
         self.events.append({"t": "undo"})
+        self._warm_n = 0
         keep = len(self.conv.window_tokens())
         kept = self.engine.can_rewind_to(keep)
         self.engine.truncate(keep)
@@ -257,15 +307,18 @@ class ChatSession:
             return None
         text = self.conv.drop_last_exchange()[0].content
         self.events.append({"t": "undo"})
+        self._warm_n = 0
         return self.turn(text, on_text, cancelled)
 
     def new(self) -> None:
         """Start over; the KV keeps the shared system prefix for the next turn to reuse."""
         self.conv = Conversation(system=self.conv.system)
         self.history, self.events = [], []
+        self._warm_n = 0
 
     def set_system(self, text: str | None, cause: str = "system prompt changed") -> None:
         self.conv.system = text or None
         self.conv.prefix = self._prefix_tokens()
+        self._warm_n = 0
         self.pending_cause = cause
         self.events.append({"t": "system", "system": self.conv.system, "prefix": self.conv.prefix})

@@ -158,6 +158,12 @@ class Engine:
         self.n_swa = lc.llama_model_n_swa(self.model)
         self.can_shift = bool(lc.llama_memory_can_shift(self.mem))
         self._batch = lc.llama_batch_init(config.n_batch, 0, 1)
+        for i in range(config.n_batch):  # every token belongs to the one sequence
+            self._batch.n_seq_id[i] = 1
+            self._batch.seq_id[i][0] = SEQ
+        self._batch_tokens = (lc.llama_token * config.n_batch).from_address(
+            ctypes.addressof(self._batch.token.contents))
+        self._batch_pos = (lc.llama_pos * config.n_batch).from_address(ctypes.addressof(self._batch.pos.contents))
         self.tokens: list[int] = []  # the token-canonical history this context holds
         self.n_kv = 0  # how many of self.tokens are evaluated into the KV (the rest are pending)
         self._piece_buf = ctypes.create_string_buffer(256)
@@ -248,12 +254,10 @@ class Engine:
     def _decode(self, tokens: list[int], start_pos: int, want_logits: bool) -> None:
         b = self._batch
         n = len(tokens)
-        for i, tok in enumerate(tokens):
-            b.token[i] = tok
-            b.pos[i] = start_pos + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = SEQ
-            b.logits[i] = 0
+        # whole-slice stores run in C: element by element costs ~0.2 ms per 150 tokens in Python
+        self._batch_tokens[:n] = tokens
+        self._batch_pos[:n] = range(start_pos, start_pos + n)
+        ctypes.memset(b.logits, 0, n)
         if want_logits:
             b.logits[n - 1] = 1
         b.n_tokens = n
@@ -267,8 +271,8 @@ class Engine:
         t0 = time.perf_counter()
         if len(prompt) > self.n_ctx:
             raise ModelError(f"the prompt ({len(prompt)} tokens) is larger than the context ({self.n_ctx})")
-        same = 0
         limit = min(self.n_kv, len(prompt))
+        same = limit if self.tokens[:limit] == prompt[:limit] else 0  # the usual case, compared in C
         while same < limit and self.tokens[same] == prompt[same]:
             same += 1
         first_diff = same if same < self.n_kv else -1
@@ -289,6 +293,10 @@ class Engine:
             if progress:
                 progress(pos - keep, len(prompt) - keep)
         return PrefillResult(keep, len(prompt) - keep, time.perf_counter() - t0, first_diff, refused)
+
+    def synchronize(self) -> None:
+        """Wait for queued evaluation to finish (llama.cpp also books its perf counters here)."""
+        lc.llama_synchronize(self.ctx)
 
     def make_sampler(self, s: SamplingConfig):
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())

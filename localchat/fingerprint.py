@@ -17,23 +17,36 @@ def _identity(path: Path) -> str:
     return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
 
 
+def _read_cache() -> dict:
+    try:
+        cache = json.loads((paths.home() / CACHE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def cached_fingerprint(path: str | Path) -> str | None:
+    """The fingerprint if this very file was hashed before, without reading the file."""
+    try:
+        value = _read_cache().get(_identity(Path(path)))
+    except OSError:
+        return None
+    return value if isinstance(value, str) else None
+
+
 def fingerprint(path: str | Path) -> str:
     """Content-based, so a renamed or copied model keeps its sessions; a changed one loses them."""
     path = Path(path)
     cache_path = paths.home() / CACHE_FILE
-    try:
-        cache = json.loads(cache_path.read_text())
-    except (OSError, ValueError):
-        cache = {}
+    cache = _read_cache()
     key = _identity(path)
-    if isinstance(cache, dict) and isinstance(cache.get(key), str):
+    if isinstance(cache.get(key), str):
         return cache[key]
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(16 << 20):
             digest.update(block)
     value = "sha256:" + digest.hexdigest()
-    cache = cache if isinstance(cache, dict) else {}
     cache[key] = value
     try:
         paths.private_dir(cache_path.parent)

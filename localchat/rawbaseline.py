@@ -40,13 +40,14 @@ class RawLlama:
                 n_threads_batch=c.threads(), n_batch=c.n_batch, n_ubatch=c.n_ubatch, flash_attn=c.flash_attn,
                 type_k=KV_TYPES[c.type_k], type_v=KV_TYPES[c.type_v], swa_full=c.swa_full, verbose=False)
 
-    def turn(self, prompt: list[int], reply: list[int]) -> tuple[float, float, int]:
-        """Evaluate prompt reusing the longest cached prefix, sample the first token, then decode
-        `reply` (localchat's own reply tokens, so the next prompt's prefix is fully cached too).
+    def turn(self, prompt: list[int], reply: list[int], keep: int | None = None) -> tuple[float, float, int]:
+        """Evaluate prompt reusing the longest cached prefix (at most `keep` tokens: a repeated turn
+        starts from the previous turn's cache), sample the first token, then decode `reply`
+        (localchat's own reply tokens, so the next prompt's prefix is fully cached too).
         Returns (TTFT seconds, decode tokens/s, prompt tokens evaluated)."""
         llm = self.llm
         cached = 0
-        limit = min(llm.n_tokens, len(prompt) - 1)
+        limit = min(llm.n_tokens, len(prompt) - 1, len(prompt) if keep is None else keep)
         while cached < limit and llm._input_ids[cached] == prompt[cached]:
             cached += 1
         llm._ctx.kv_cache_seq_rm(-1, cached, -1)

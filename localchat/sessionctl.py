@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -13,12 +14,12 @@ from typing import Callable
 from localchat import paths, statefile
 from localchat.engine import llama_version
 from localchat.errors import SessionError
-from localchat.fingerprint import fingerprint
+from localchat.fingerprint import cached_fingerprint, fingerprint
 from localchat.fsutil import atomic_write
 from localchat.runtime import Runtime
 from localchat.stats import TurnStats
 from localchat.statefile import StateRejected
-from localchat.store import BackgroundWriter, SessionStore, list_sessions
+from localchat.store import BackgroundWriter, SessionStore, list_sessions, lower_priority
 
 FORMAT = 1
 DEFAULT_LOAD_BPS = 400e6  # until a restore on this machine has been measured
@@ -51,7 +52,12 @@ class SessionControl:
         self._dirty = False  # turns whose KV is not on disk yet
         self.on_status: Callable[[str], None] = lambda s: None
         self.writer = BackgroundWriter(self._set_status)
-        self._fp: str | None = None
+        self._fp: str | None = cached_fingerprint(rt.model.path)
+        # the first use of a model hashes the whole file (seconds for 4 GB): in the background,
+        # while the user types, rather than inside the first turn
+        self._fp_thread = threading.Thread(target=self._hash_model, name="localchat-fingerprint", daemon=True)
+        if store is not None and self._fp is None:
+            self._fp_thread.start()
         self._speeds: dict[str, float] = {}
         self.chat.on_prefix = self._snapshot_prefix
         self.restore_note = ""
@@ -78,8 +84,22 @@ class SessionControl:
             ctl.report(f"session '{store.name}' (new)")
         return ctl
 
+    def _hash_model(self) -> None:
+        lower_priority()
+        try:
+            self._fp = fingerprint(self.rt.model.path)
+        except OSError:
+            pass  # asked for again where it is needed, which reports the error
+
+    def _fingerprint_pending(self) -> bool:
+        """A new model's hash is still running: nothing saved can be for it, so the shared prefix
+        cache neither waits for it nor snapshots this time."""
+        return self._fp is None and self._fp_thread.is_alive()
+
     @property
     def model_fingerprint(self) -> str:
+        if self._fp_thread.is_alive():
+            self._fp_thread.join()
         if self._fp is None:
             self._fp = fingerprint(self.rt.model.path)
         return self._fp
@@ -155,6 +175,7 @@ class SessionControl:
             self._save_speed("prefill_tps", missing / max(took, 1e-6))
             self.report(f"\rKV rebuilt: {missing} tokens in {took:.2f} s" + " " * 10)
             chat.pending_cause = ""
+        chat.warm_next_head()
 
     def _rebuild_progress(self, done: int, total: int) -> None:
         self.on_status(f"rebuilding {done}/{total}")
@@ -163,8 +184,9 @@ class SessionControl:
 
     # ------------------------------------------------------------ turns
     def turn(self, text: str, on_text=None, cancelled=None, progress=None) -> TurnStats:
+        started = time.perf_counter()  # a prefix loaded from disk is part of the wait for the first token
         self._maybe_load_prefix()
-        return self.chat.turn(text, on_text, cancelled, progress)
+        return self.chat.turn(text, on_text, cancelled, progress, started)
 
     def after_turn(self, st: TurnStats) -> None:
         """Persist the transcript now (fsync); the KV when its copy fits the autosave budget."""
@@ -173,13 +195,13 @@ class SessionControl:
             self.report(f"localchat: the restored KV was not reused: {st.recomputed_tokens} tokens recomputed")
         if st.recomputed_tokens >= 64 and st.prefill_s > 0:
             self._speeds["prefill_tps"] = st.recomputed_tokens / st.prefill_s
-        if not self.autosave:
-            return
-        self._dirty = True
-        if self._save_due():
-            st.save_s = self.save()
-        else:
-            self._set_status("deferred")
+        if self.autosave:
+            self._dirty = True
+            if self._save_due():
+                st.save_s = self.save()
+            else:
+                self._set_status("deferred")
+        self.chat.warm_next_head()  # after the copy: a saved state holds the transcript's tokens only
 
     def _save_due(self) -> bool:
         """The KV copy blocks the chat, so it may take at most AUTOSAVE_SHARE of the time since the
@@ -206,6 +228,7 @@ class SessionControl:
         if self.store is None:
             return 0.0
         self.flush_events()
+        self.chat.drop_warm()  # a saved state holds the transcript's tokens only
         t0 = time.perf_counter()
         engine = self.rt.engine
         payload = engine.state_bytes()
@@ -260,16 +283,16 @@ class SessionControl:
             return
         engine = self.rt.engine
         size = len(prefix) * self.rt.model.kv_bytes_per_token(engine.config.type_k, engine.config.type_v)
-        if size / self._load_speeds().get("load_bps", DEFAULT_LOAD_BPS) > prefill_s / 2:
-            return
-        path = self._prefix_path(prefix)
-        if path.exists():
+        pending = self._fingerprint_pending()  # a new model: no speeds and no snapshot yet, and no waiting here
+        load_bps = DEFAULT_LOAD_BPS if pending else self._load_speeds().get("load_bps", DEFAULT_LOAD_BPS)
+        if size / load_bps > prefill_s / 2 or (not pending and self._prefix_path(prefix).exists()):
             return
         payload = engine.state_bytes()
-        fp, settings = self.model_fingerprint, kv_settings(self.rt)
+        settings = kv_settings(self.rt)
 
         def job() -> None:
-            header = statefile.make_header(payload, fp, settings, prefix, llama_version())
+            path = self._prefix_path(prefix)  # waits for the model's hash here, off the chat's path
+            header = statefile.make_header(payload, self.model_fingerprint, settings, prefix, llama_version())
             paths.private_dir(path.parent)
             atomic_write(path, [statefile.encode(header), payload])
 
@@ -278,7 +301,7 @@ class SessionControl:
     def _maybe_load_prefix(self) -> None:
         """A new chat whose system prompt was seen before starts from its saved KV."""
         chat, engine = self.chat, self.rt.engine
-        if self.store is None or chat.conv.messages or engine.n_kv:
+        if self.store is None or chat.conv.messages or engine.n_kv or self._fingerprint_pending():
             return
         if not chat.conv.prefix:
             chat.set_system(chat.conv.system, cause="")

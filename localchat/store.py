@@ -181,7 +181,7 @@ def list_sessions(root: Path | None = None) -> list[SessionStore]:
     return sorted(stores, key=lambda s: s.read_meta().get("updated", 0), reverse=True)
 
 
-def _lower_priority() -> None:
+def lower_priority() -> None:
     """Run this thread only when a core is idle: hashing and writing a state must never slow the
     next turn (on a 2-core machine llama.cpp's threads use every core)."""
     try:
@@ -211,7 +211,7 @@ class BackgroundWriter:
         self._on_status("saving")
 
     def _loop(self) -> None:
-        _lower_priority()
+        lower_priority()
         while True:
             with self._cond:
                 while self._job is None:

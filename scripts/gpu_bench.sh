@@ -8,8 +8,9 @@ bash scripts/gpu_prepare.sh > "$OUT/prepare.log" 2>&1 || { tail -20 "$OUT/prepar
 . /tmp/lcgpu/env.sh
 export PYTHONUNBUFFERED=1 LOCALCHAT_HOME=/tmp/lch
 M=/tmp/lcgpu/models; B=/tmp/lcgpu/build/bin
-python3 scripts/gpu_check.py $M/7b-mha.gguf $M/8b-gqa.gguf > "$OUT/gpu_check.jsonl" 2> "$OUT/check.err"
-for m in 7b-mha 8b-gqa; do
+WANT=${MODELS:-"7b-mha 8b-gqa"}  # MODELS=7b-mha runs one model (a warm machine keeps the build for the next)
+python3 scripts/gpu_check.py $(for m in $WANT; do echo $M/$m.gguf; done) > "$OUT/gpu_check.jsonl" 2> "$OUT/check.err"
+for m in $WANT; do
   python3 -m localchat bench --profile h200 --model $M/$m.gguf --peer-server $B/llama-server \
     --llama-bench $B/llama-bench --json "$OUT/bench-$m.json" 2> "$OUT/bench-$m.err" | tee "$OUT/bench-$m.txt"
 done

@@ -55,6 +55,33 @@ def test_reuse_changes_speed_never_output(demo_engine):
     assert replies_reuse == replies_fresh
 
 
+def test_next_turn_head_is_evaluated_after_the_reply_and_changes_no_output(demo_engine):
+    warm = greedy_chat(demo_engine, system="You are brief.")
+    replies_warm = []
+    for q in QUESTIONS[:4]:
+        st = warm.turn(q)
+        replies_warm.append(warm.conv.messages[-1].tokens)
+        if st.turn > 1:
+            # the end-of-turn token and the user header were evaluated before this turn began
+            assert st.extra["idle_tokens"] == idle > 1
+            assert st.recomputed_tokens == st.new_tokens + 1
+            assert st.llama_prompt_eval == st.recomputed_tokens - idle  # llama.cpp's count for the turn itself
+        idle = warm.warm_next_head()
+        window = warm.conv.window_tokens()
+        assert demo_engine.n_kv == len(window) + idle - 1 and demo_engine.tokens[:len(window)] == window
+    assert warm.drop_warm()  # as a save does: the KV holds the transcript's tokens, nothing pending
+    assert demo_engine.tokens == warm.conv.window_tokens() and demo_engine.n_kv == len(demo_engine.tokens)
+    plain = greedy_chat(demo_engine, system="You are brief.")
+    replies_plain = [plain.conv.messages[-1].tokens for q in QUESTIONS[:4] if plain.turn(q)]
+    assert replies_warm == replies_plain
+
+
+def test_sliding_window_model_does_not_warm_the_next_head(gemma_engine):
+    chat = greedy_chat(gemma_engine, system="A conversation with a helpful assistant.")
+    chat.turn(QUESTIONS[0])
+    assert chat.warm_next_head() == 0  # a save could not take it back out of a sliding-window cache
+
+
 def _greedy(engine, n=24):
     gen = Generation(tokens=[])
     list(engine.generate(engine.make_sampler(SamplingConfig(temperature=0)), n, gen))

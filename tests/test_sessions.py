@@ -44,6 +44,7 @@ def test_resume_restores_the_kv_and_reuses_it(home, tmp_path):
     assert st["turn"] == 3 and st["kv_restored"] is True
     assert st["recomputed_tokens"] <= st["new_tokens"] + 1
     assert st["cached_tokens"] > 100
+    assert st["idle_tokens"] > 0  # the next head was evaluated right after the resume, not in the turn
 
 
 def _corrupt_truncate(p: Path) -> None:

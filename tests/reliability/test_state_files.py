@@ -61,7 +61,8 @@ def pristine(home: Path, name: str = "src") -> dict[str, bytes]:
 def check_outcome(rt, ctl, said: str, original: bytes, mutated: bytes | None) -> bool:
     """Rejected with a reason and rebuilt, or restored only from a state that passes every check."""
     window = ctl.chat.conv.window_tokens()
-    kv_ok = rt.engine.tokens[:rt.engine.n_kv] == window[:rt.engine.n_kv] and rt.engine.n_kv >= len(window) - 1
+    held = min(rt.engine.n_kv, len(window))  # beyond the window: the next turn's head, evaluated ahead
+    kv_ok = rt.engine.tokens[:held] == window[:held] and rt.engine.n_kv >= len(window) - 1
     if "KV restored from disk" in said:
         if mutated is None:
             return False

@@ -1,0 +1,37 @@
+"""`localchat bench` on the real demo model: every mode does the same work, counted exactly.
+Speeds are the benchmark's output, not asserted here."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import run_cli
+
+
+def test_bench_modes_evaluate_the_same_tokens(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run_cli(["bench", "--profile", "cpu", "--turns", "4", "--system-tokens", "64", "--user-tokens", "20",
+                 "--reply-tokens", "8", "--kv", "f16", "--repeat", "2", "--json", str(out)], timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "ttft_ratio_recompute_over_localchat" in r.stdout  # the table and summary on stdout
+    part = json.loads(out.read_text())["kv"]["f16"]
+    rows, summary = part["rows"], part["summary"]
+
+    def turn(mode, t, repeat=0):
+        (row,) = [x for x in rows if x["mode"] == mode and x["turn"] == t and x["repeat"] == repeat]
+        return row
+
+    for t in range(1, 5):
+        ours = turn("localchat" if t <= 2 else "resume", t)
+        rec, raw = turn("recompute", t), turn("raw", t)
+        assert ours["prompt_tokens"] == rec["prompt_tokens"] == raw["prompt_tokens"]
+        assert rec["recomputed_tokens"] == rec["prompt_tokens"]  # no reuse at all
+        if t > 1 and t != 3:  # turn 3 follows the resume, which chose its own way back
+            assert ours["recomputed_tokens"] == raw["recomputed_tokens"] < ours["prompt_tokens"] // 2
+    for k in (1, 2):  # the last turn again, each mode from the previous turn's cache
+        again = [turn(m, 4, k)["recomputed_tokens"] for m in ("resume", "raw")]
+        assert again[0] == again[1] == turn("resume", 4)["recomputed_tokens"] - 1
+    assert summary["last_turn_samples"] == 3
+    assert set(summary["ttft_last_turn_median_s"]) == {"localchat", "recompute", "raw"}
+    assert summary["resume"]["chosen"] in ("restore", "re-prefill") and summary["resume"]["tokens"] > 64
+    assert summary["decode_path_host_overhead_mb"] <= 200  # no n_batch x n_vocab array on the host
