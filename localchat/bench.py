@@ -101,8 +101,19 @@ def run_localchat(rt: runtime.Runtime, args, users: list[str], home: Path, kv: s
             "host_overhead_bytes": peak - rss0}
 
 
+def _first_token(engine: Engine, window: list[int], t0: float) -> float:
+    """Make the KV hold `window` and sample one token of the continuation; seconds since t0."""
+    engine.prefill(window)
+    gen = Generation(tokens=[])
+    for _ in engine.generate(engine.make_sampler(SamplingConfig(temperature=0)), 1, gen):
+        pass
+    engine.truncate(len(window))  # the sampled token was never evaluated: nothing to rewind
+    return gen.first_token_at - t0
+
+
 def _resume(rt: runtime.Runtime, ctl: SessionControl, store: SessionStore) -> dict:
     """Drop the KV (as a new process would have none), time both ways back, then resume for real."""
+    from localchat import statefile
     engine = rt.engine
     window = ctl.chat.conv.window_tokens()
     ctl.save()  # as a clean exit does
@@ -111,6 +122,7 @@ def _resume(rt: runtime.Runtime, ctl: SessionControl, store: SessionStore) -> di
     t0 = time.perf_counter()
     engine.prefill(window)
     prefill_s = time.perf_counter() - t0
+    reprefill_first = _first_token(engine, window, t0)
     engine.clear()
     ctl.chat.conv = store.conversation()
     t0 = time.perf_counter()
@@ -118,17 +130,19 @@ def _resume(rt: runtime.Runtime, ctl: SessionControl, store: SessionStore) -> di
     resume_s = time.perf_counter() - t0
     chose_restore = ctl.chat.kv_restored
     t0 = time.perf_counter()
-    from localchat import statefile
     header, offset = statefile.read_header(store.state)
     payload = statefile.read_payload(store.state, header, offset)
     engine.load_state(payload, header.tokens)
     load_s = time.perf_counter() - t0
+    restore_first = _first_token(engine, window, t0)
     ctl.chat.kv_restored = True
     ctl.chat.drop_warm()  # the timed load replaced the KV that resume() had warmed
     ctl.chat.warm_next_head()
     faster = "restore" if load_s < prefill_s else "re-prefill"
     chosen = "restore" if chose_restore else "re-prefill"
     return {"tokens": len(window), "state_bytes": header.payload_size, "load_s": load_s, "reprefill_s": prefill_s,
+            # from nothing in memory to the first token of the continuation, each way
+            "restore_first_token_s": restore_first, "reprefill_first_token_s": reprefill_first,
             "chosen": chosen, "faster": faster, "resume_s": resume_s, "note": ctl.restore_note,
             "chosen_within_10pct": chosen == faster or min(load_s, prefill_s) * 1.1 >= max(load_s, prefill_s)}
 
@@ -350,7 +364,7 @@ def main(argv: Sequence[str]) -> int:
                         "(default 4, --quick 0)")
     args = p.parse_args(argv)
     if args.quick:
-        args.turns, args.system_tokens, args.user_tokens, args.reply_tokens = 6, 384, 100, 32
+        args.turns, args.system_tokens, args.user_tokens, args.reply_tokens = 6, 256, 100, 32
     if args.repeat is None:
         args.repeat = 0 if args.quick else 4
     o = overrides(args)

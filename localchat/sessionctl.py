@@ -85,7 +85,7 @@ class SessionControl:
         return ctl
 
     def _hash_model(self) -> None:
-        lower_priority()
+        lower_priority(idle=False)  # the first save or a resume waits for it
         try:
             self._fp = fingerprint(self.rt.model.path)
         except OSError:

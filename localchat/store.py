@@ -181,16 +181,21 @@ def list_sessions(root: Path | None = None) -> list[SessionStore]:
     return sorted(stores, key=lambda s: s.read_meta().get("updated", 0), reverse=True)
 
 
-def lower_priority() -> None:
-    """Run this thread only when a core is idle: hashing and writing a state must never slow the
-    next turn (on a 2-core machine llama.cpp's threads use every core)."""
-    try:
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
+def lower_priority(idle: bool = True) -> None:
+    """Run this thread only when a core is idle (idle=True): hashing and writing a state must never
+    slow the next turn (on a 2-core machine llama.cpp's threads use every core). A thread that the
+    chat may have to wait for takes nice 10 instead: slowed by other work, never starved by it."""
+    tid = threading.get_native_id()
+    if idle:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            return
         except (AttributeError, OSError):
             pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19 if idle else 10)
+    except (AttributeError, OSError):
+        pass
 
 
 class BackgroundWriter:

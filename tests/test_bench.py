@@ -33,5 +33,7 @@ def test_bench_modes_evaluate_the_same_tokens(tmp_path):
         assert again[0] == again[1] == turn("resume", 4)["recomputed_tokens"] - 1
     assert summary["last_turn_samples"] == 3
     assert set(summary["ttft_last_turn_median_s"]) == {"localchat", "recompute", "raw"}
-    assert summary["resume"]["chosen"] in ("restore", "re-prefill") and summary["resume"]["tokens"] > 64
+    resume = summary["resume"]
+    assert resume["chosen"] in ("restore", "re-prefill") and resume["tokens"] > 64
+    assert resume["restore_first_token_s"] > resume["load_s"] > 0 and resume["reprefill_first_token_s"] > 0
     assert summary["decode_path_host_overhead_mb"] <= 200  # no n_batch x n_vocab array on the host
