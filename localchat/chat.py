@@ -62,7 +62,8 @@ class ChatSession:
         self._sampler = engine.make_sampler(settings.sampling)
         self._bos = engine.special_text("bos")
         self._template_tokens: dict[tuple[str, bool], list[int]] = {}
-        # the next turn's head, evaluated after the reply: where it starts in the KV, how long it is
+        # the next turn's head, evaluated after the reply: where it starts in the KV, how long it is;
+        # the turn credits only what its prefill kept, so undo, /new or an eviction need not reset it
         self._warm_base, self._warm_n = 0, 0
         self.events: list[dict] = []  # transcript records not yet persisted, drained by the store
         # called with the prefix tokens once the KV holds exactly them (the shared prefix cache)
@@ -133,8 +134,6 @@ class ChatSession:
             for _, start, end in reversed(chosen):
                 e.shift_out(start, end - start)
             self._warm_base -= freed  # a warmed head moved down with the rest
-        else:
-            self._warm_n = 0
         self.conv.evict([c[0] for c in chosen], freed)
         self.events.append({"t": "evict", "users": [c[0] for c in chosen], "tokens": freed})
         st.shifted_tokens = freed
@@ -264,7 +263,7 @@ class ChatSession:
         the user reads, so the next first token waits only for the user's words. Returns the tokens."""
         e, msgs = self.engine, self.conv.messages
         # a sliding-window cache could not take the head back out for a save (see drop_warm)
-        if self._warm_n or not msgs or msgs[-1].role != "assistant" or (e.n_swa and not e.config.swa_full):
+        if not msgs or msgs[-1].role != "assistant" or (e.n_swa and not e.config.swa_full):
             return 0
         window = self.conv.window_tokens()
         head, _ = self._delta("")
@@ -296,7 +295,6 @@ class ChatSession:
             return False
         self.conv.drop_last_exchange()
         self.events.append({"t": "undo"})
-        self._warm_n = 0
         keep = len(self.conv.window_tokens())
         kept = self.engine.can_rewind_to(keep)
         self.engine.truncate(keep)
@@ -307,18 +305,15 @@ class ChatSession:
             return None
         text = self.conv.drop_last_exchange()[0].content
         self.events.append({"t": "undo"})
-        self._warm_n = 0
         return self.turn(text, on_text, cancelled)
 
     def new(self) -> None:
         """Start over; the KV keeps the shared system prefix for the next turn to reuse."""
         self.conv = Conversation(system=self.conv.system)
         self.history, self.events = [], []
-        self._warm_n = 0
 
     def set_system(self, text: str | None, cause: str = "system prompt changed") -> None:
         self.conv.system = text or None
         self.conv.prefix = self._prefix_tokens()
-        self._warm_n = 0
         self.pending_cause = cause
         self.events.append({"t": "system", "system": self.conv.system, "prefix": self.conv.prefix})
