@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 
 from localchat import runtime
-from localchat.engine import Engine, Generation, SamplingConfig
+from localchat.engine import Engine, Generation, PrefillResult, SamplingConfig
 from localchat.peer import PeerServer
 from localchat.sessionctl import SessionControl
 from localchat.store import SessionStore
@@ -77,20 +77,21 @@ def run_localchat(rt: runtime.Runtime, args, users: list[str], home: Path, kv: s
             "host_overhead_bytes": peak - rss0}
 
 
-def _first_token(engine: Engine, window: list[int], t0: float) -> float:
-    """Make the KV hold `window` and sample one token of the continuation; seconds since t0."""
-    engine.prefill(window)
+def _first_token(engine: Engine, tokens: list[int], t0: float, sampler) -> tuple[PrefillResult, float]:
+    """Make the KV hold `tokens` and sample one token of the continuation; seconds since t0."""
+    pre = engine.prefill(tokens)
     gen = Generation(tokens=[])
-    for _ in engine.generate(engine.make_sampler(SamplingConfig(temperature=0)), 1, gen):
+    for _ in engine.generate(sampler, 1, gen):
         pass
-    engine.truncate(len(window))  # the sampled token was never evaluated: nothing to rewind
-    return gen.first_token_at - t0
+    engine.truncate(len(tokens))  # the sampled token was never evaluated: nothing to rewind
+    return pre, gen.first_token_at - t0
 
 
 def _resume(rt: runtime.Runtime, ctl: SessionControl, store: SessionStore) -> dict:
     """Drop the KV (as a new process would have none), time both ways back, then resume for real."""
     from localchat import statefile
     engine = rt.engine
+    greedy = engine.make_sampler(SamplingConfig(temperature=0))
     window = ctl.chat.conv.window_tokens()
     ctl.save()  # as a clean exit does
     ctl.writer.wait()
@@ -98,7 +99,7 @@ def _resume(rt: runtime.Runtime, ctl: SessionControl, store: SessionStore) -> di
     t0 = time.perf_counter()
     engine.prefill(window)
     prefill_s = time.perf_counter() - t0
-    reprefill_first = _first_token(engine, window, t0)
+    _, reprefill_first = _first_token(engine, window, t0, greedy)
     engine.clear()
     ctl.chat.conv = store.conversation()
     t0 = time.perf_counter()
@@ -110,7 +111,7 @@ def _resume(rt: runtime.Runtime, ctl: SessionControl, store: SessionStore) -> di
     payload = statefile.read_payload(store.state, header, offset)
     engine.load_state(payload, header.tokens)
     load_s = time.perf_counter() - t0
-    restore_first = _first_token(engine, window, t0)
+    _, restore_first = _first_token(engine, window, t0, greedy)
     ctl.chat.kv_restored = True
     ctl.chat.drop_warm()  # the timed load replaced the KV that resume() had warmed
     ctl.chat.warm_next_head()
@@ -189,12 +190,9 @@ def repeat_last_turn(rt: runtime.Runtime, last_text: str, prompts: list[list[int
         progress(f"last turn again {k}/{rounds}: localchat {kv}")
         engine.clear()
         t0 = time.perf_counter()
-        pre = engine.prefill(prompt)
-        first = Generation(tokens=[])
-        for _ in engine.generate(sampler, 1, first):
-            pass
-        rows.append(Row("recompute", kv, len(prompts), len(prompt), pre.recomputed, first.first_token_at - t0,
-                        pre.seconds, 0.0, repeat=k))
+        pre, ttft = _first_token(engine, prompt, t0, sampler)
+        rows.append(Row("recompute", kv, len(prompts), len(prompt), pre.recomputed, ttft, pre.seconds, 0.0,
+                        repeat=k))
         progress(f"last turn again {k}/{rounds}: recompute {kv}")
         if raw is not None:
             ttft, tps, evaluated = raw.turn(prompt, reply, keep=len(before))
