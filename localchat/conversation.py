@@ -100,9 +100,3 @@ class Conversation:
     def to_json(self) -> dict:
         return {"system": self.system, "prefix": self.prefix, "tokens_left_window": self.tokens_left_window,
                 "messages": [m.to_json() for m in self.messages]}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Conversation":
-        return cls(system=d.get("system"), prefix=list(d.get("prefix", [])),
-                   messages=[Message(**m) for m in d.get("messages", [])],
-                   tokens_left_window=int(d.get("tokens_left_window", 0)))
