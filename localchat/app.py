@@ -32,17 +32,18 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
                 stats_file.write(json.dumps(st.to_json()) + "\n")
                 stats_file.flush()
 
+        code = 0
         try:
             if sys.stdin.isatty() and sys.stdout.isatty():
                 from localchat import repl
                 repl.run(ctl, after_turn)
             else:
                 from localchat import lineui
-                lineui.run_lines(ctl, after_turn)
+                code = lineui.run_lines(ctl, after_turn)
         finally:
             ctl.close()
             if stats_file:
                 stats_file.close()
     finally:
         rt.close()
-    return 0
+    return code

@@ -19,15 +19,15 @@ import resource
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 from localchat import runtime
-from localchat.benchmodes import (Row, repeat_last_turn, run_localchat, run_raw, run_recompute, run_server,
-                                  text_of)
-from localchat.cli import _profile_args, overrides
+from localchat.benchmodes import Row, repeat_last_turn, run_localchat, run_raw, run_recompute, run_server, text_of
 from localchat.engine import llama_version
+from localchat.options import overrides, profile_args
 from localchat.peer import PeerServer, run_llama_bench
 
 
@@ -36,6 +36,10 @@ def _progress(done: int, total: int, label: str) -> None:
     fill = width * done // max(total, 1)
     sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {label:<40}")
     sys.stderr.flush()
+
+
+def _report(text: str) -> None:
+    sys.stderr.write(text + "\n")
 
 
 def _by(rows: list[Row], mode: str) -> list[Row]:
@@ -102,7 +106,7 @@ def run_kv(args, profile, home: Path, kv: str, progress, result: dict) -> dict:
     copy of the model) so that the last turn's repeats can interleave them."""
     peer_errors = []
     with contextlib.ExitStack() as stack:
-        rt = runtime.open_runtime(profile, lambda t: sys.stderr.write(t + "\n"))
+        rt = runtime.open_runtime(profile, _report)
         stack.callback(rt.close)
         rt.chat.conv.system = text_of(rt.engine, args.system_tokens, "system")
         users = [text_of(rt.engine, args.user_tokens, f"question {i}") for i in range(args.turns)]
@@ -133,7 +137,7 @@ def run_kv(args, profile, home: Path, kv: str, progress, result: dict) -> dict:
                 server = None
         if args.repeat:
             rows += repeat_last_turn(rt, users[-1], prompts, replies, raw, server, kv, args.repeat, progress)
-    part = {"rows": [asdict(r) for r in rows], "summary": _summary(rows, res, args.turns)}
+    part: dict[str, Any] = {"rows": [asdict(r) for r in rows], "summary": _summary(rows, res, args.turns)}
     part["summary"].update(ram)
     if peer_errors:
         part["summary"]["peer_error"] = "; ".join(peer_errors)
@@ -151,7 +155,7 @@ def run_kv(args, profile, home: Path, kv: str, progress, result: dict) -> dict:
 
 def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="localchat bench", description=__doc__.splitlines()[0])
-    _profile_args(p)
+    profile_args(p)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--system-tokens", type=int, default=1024)
     p.add_argument("--user-tokens", type=int, default=150)

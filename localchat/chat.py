@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
+from localchat import transcript
 from localchat.conversation import Conversation, Message
 from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig
 from localchat.errors import ContextFullError
 from localchat.stats import TurnStats
+from localchat.stopscan import StopScanner
 from localchat.templates import ChatFormat
 
 OVERFLOW_POLICIES = ("auto", "shift", "rebuild", "stop")
 
 TextSink = Callable[[str], None]
 Progress = Callable[[int, int], None]
+PrefixHook = Callable[[list[int], float], None]  # (the prefix's tokens, seconds its prefill took)
 
 
 @dataclass(frozen=True)
@@ -24,30 +27,6 @@ class ChatSettings:
     max_tokens: int = 512
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     overflow: str = "auto"  # auto: shift where the KV can shift positions, else rebuild
-
-
-class StopScanner:
-    """Holds back streamed text that may be the start of a stop string."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops, self.text, self.sent = stops, "", 0
-        self.hold = max((len(s) for s in stops), default=1) - 1
-
-    def feed(self, piece: str) -> tuple[str, bool]:
-        self.text += piece
-        for s in self.stops:
-            i = self.text.find(s, max(0, self.sent - len(s)))
-            if i >= 0:
-                out, self.sent = self.text[self.sent:i], i
-                self.text = self.text[:i]
-                return out, True
-        upto = max(self.sent, len(self.text) - self.hold)
-        out, self.sent = self.text[self.sent:upto], upto
-        return out, False
-
-    def flush(self) -> str:
-        out, self.sent = self.text[self.sent:], len(self.text)
-        return out
 
 
 class ChatSession:
@@ -65,9 +44,7 @@ class ChatSession:
         # the next turn's head, evaluated after the reply: where it starts in the KV, how long it is;
         # the turn credits only what its prefill kept, so undo, /new or an eviction need not reset it
         self._warm_base, self._warm_n = 0, 0
-        self.events: list[dict] = []  # transcript records not yet persisted, drained by the store
-        # called with the prefix tokens once the KV holds exactly them (the shared prefix cache)
-        self.on_prefix: Callable[[list[int], float], None] | None = None
+        self.events: list[transcript.Record] = []  # transcript records not yet persisted, drained by the store
 
     @property
     def overflow(self) -> str:
@@ -117,7 +94,8 @@ class ChatSession:
                 f"the context is full ({len(window)} of {e.n_ctx} tokens): /new starts a new chat, "
                 "a larger --ctx holds more, or set overflow: shift in the profile")
         margin = e.n_ctx // 8
-        chosen, freed = [], 0
+        chosen: list[tuple[int, int, int]] = []
+        freed = 0
         for idx, start, end in self.conv.evictable():
             if len(window) - freed + need + margin <= e.n_ctx and chosen:
                 break
@@ -135,13 +113,15 @@ class ChatSession:
                 e.shift_out(start, end - start)
             self._warm_base -= freed  # a warmed head moved down with the rest
         self.conv.evict([c[0] for c in chosen], freed)
-        self.events.append({"t": "evict", "users": [c[0] for c in chosen], "tokens": freed})
+        self.events.append(transcript.evict([c[0] for c in chosen], freed))
         st.shifted_tokens = freed
 
     # ---------------------------------------------------------------- turns
     def turn(self, text: str, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
-             progress: Progress | None = None, started: float | None = None) -> TurnStats:
-        """One exchange; `started` (perf_counter) is when the user's message arrived, for the TTFT."""
+             progress: Progress | None = None, started: float | None = None,
+             on_prefix: PrefixHook | None = None) -> TurnStats:
+        """One exchange; `started` (perf_counter) is when the user's message arrived, for the TTFT;
+        `on_prefix` is called once the KV holds exactly the prefix, if it is evaluated this turn."""
         e = self.engine
         t0 = started if started is not None else time.perf_counter()
         st = TurnStats(turn=self.conv.turns + 1, n_ctx=e.n_ctx, kv_restored=self.kv_restored)
@@ -163,7 +143,7 @@ class ChatSession:
         gen = Generation(tokens=[])
         st.prompt_tokens, st.new_tokens = len(prompt), new_len
         try:
-            pre = self._prefill(prompt, progress, cancelled)
+            pre = self._prefill(prompt, progress, cancelled, on_prefix)
         except Cancelled:
             self._record(self.conv.add_reply("", [], cut=True))
             st.stop_reason, st.cut = "cancelled", True
@@ -194,17 +174,17 @@ class ChatSession:
         return self._finish(st, t0, gen)
 
     def _record(self, m: Message) -> None:
-        self.events.append({"t": "msg", **m.to_json()})
+        self.events.append(transcript.message(m))
 
-    def _prefill(self, prompt: list[int], progress: Progress | None,
-                 cancelled: Callable[[], bool] | None) -> PrefillResult:
+    def _prefill(self, prompt: list[int], progress: Progress | None, cancelled: Callable[[], bool] | None,
+                 on_prefix: PrefixHook | None) -> PrefillResult:
         """Prefill, stopping once at the end of the prefix when a snapshot of it is wanted."""
         e, prefix = self.engine, self.conv.prefix
         holds_prefix = e.n_kv >= len(prefix) and e.tokens[:len(prefix)] == prefix
-        if self.on_prefix is None or holds_prefix or len(prompt) <= len(prefix):
+        if on_prefix is None or holds_prefix or len(prompt) <= len(prefix):
             return e.prefill(prompt, progress=progress, cancelled=cancelled)
         first = e.prefill(prefix, progress=progress, cancelled=cancelled)
-        self.on_prefix(prefix, first.seconds)
+        on_prefix(prefix, first.seconds)
         rest = e.prefill(prompt, progress=progress, cancelled=cancelled)
         return PrefillResult(first.cached, first.recomputed + rest.recomputed, first.seconds + rest.seconds,
                              first.first_diff, first.rewind_refused or rest.rewind_refused)
@@ -294,7 +274,7 @@ class ChatSession:
         if not self.conv.turns:
             return False
         self.conv.drop_last_exchange()
-        self.events.append({"t": "undo"})
+        self.events.append(transcript.undo())
         keep = len(self.conv.window_tokens())
         kept = self.engine.can_rewind_to(keep)
         self.engine.truncate(keep)
@@ -304,7 +284,7 @@ class ChatSession:
         if not self.conv.turns:
             return None
         text = self.conv.drop_last_exchange()[0].content
-        self.events.append({"t": "undo"})
+        self.events.append(transcript.undo())
         return self.turn(text, on_text, cancelled)
 
     def new(self) -> None:
@@ -316,4 +296,4 @@ class ChatSession:
         self.conv.system = text or None
         self.conv.prefix = self._prefix_tokens()
         self.pending_cause = cause
-        self.events.append({"t": "system", "system": self.conv.system, "prefix": self.conv.prefix})
+        self.events.append(transcript.system(self.conv))

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from localchat import __version__
 from localchat.errors import LocalchatError
+from localchat.options import overrides, profile_args
 
 SUBCOMMANDS = ("chat", "models", "plan", "sessions", "bench")
 
@@ -19,23 +19,12 @@ def _err(text: str) -> None:
     sys.stderr.flush()
 
 
-def _profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", "-p", help="profile name or YAML path (default: cpu)")
-    p.add_argument("--model", "-m", help="GGUF path, built-in (demo, gemma-270m) or a name from 'localchat models'")
-    p.add_argument("--ctx", type=int, dest="n_ctx", help="context size in tokens")
-    p.add_argument("--gpu-layers", type=int, dest="n_gpu_layers", help="layers on the GPU (-1: all)")
-    p.add_argument("--kv-type", choices=("f16", "q8_0", "q4_0"), help="KV cache type for K and V")
-    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--threads", type=int, dest="n_threads", help="CPU threads (default: all cores)")
-    p.add_argument("--verbose", "-v", action="store_true", help="debug logging, llama.cpp's log included")
-
-
 def chat_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat", description="Chat with a local GGUF model; the KV cache "
                                 "lives across turns and across runs.",
                                 epilog="subcommands: localchat {models,plan,sessions,bench} --help")
     p.add_argument("--version", action="version", version=f"localchat {__version__}")
-    _profile_args(p)
+    profile_args(p)
     p.add_argument("--system", "-s", help="system prompt")
     p.add_argument("--max-tokens", type=int, help="longest reply in tokens")
     p.add_argument("--temperature", "-t", type=float, help="0 = greedy")
@@ -47,16 +36,6 @@ def chat_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-session", action="store_true", help="keep nothing on disk")
     p.add_argument("--overflow", choices=("auto", "shift", "rebuild", "stop"), help="when the context fills")
     return p
-
-
-def overrides(args: argparse.Namespace) -> dict:
-    o = {k: getattr(args, k, None) for k in ("model", "n_ctx", "n_gpu_layers", "flash_attn", "n_threads",
-                                              "system", "max_tokens", "temperature", "seed", "overflow")}
-    if getattr(args, "kv_type", None):
-        o["type_k"] = o["type_v"] = args.kv_type
-    if getattr(args, "no_autosave", False):
-        o["autosave"] = False
-    return o
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -78,7 +57,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
-
-
-def print_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2) + "\n")

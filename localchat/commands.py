@@ -5,13 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from localchat import models, plan as planmod, runtime, statefile
-from localchat.cli import _profile_args, overrides, print_json
+from localchat import models, runtime, statefile
+from localchat import plan as planmod
 from localchat.errors import ModelError, SessionError
 from localchat.fetch import BUILTIN_MODELS
+from localchat.fingerprint import fingerprint
+from localchat.gguf_file import read_gguf
+from localchat.kvdisk import check_state
+from localchat.options import overrides, print_json, profile_args
 from localchat.store import SessionStore, list_sessions
+from localchat.templates import template_problem
 
 
 def _out(text: str = "") -> None:
@@ -27,18 +33,22 @@ def cmd_models(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="localchat models", description="GGUF models found on this machine")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for alias in BUILTIN_MODELS:
         cached = models.builtin_cached(alias)
         if cached is None:
             rows.append({"name": alias, "source": "built-in (fetched on first use)", "path": None})
     for found in models.discover():
-        row = {"name": found.name, "source": found.source, "path": str(found.path)}
+        row: dict[str, Any] = {"name": found.name, "source": found.source, "path": str(found.path)}
         try:
-            m = models.model_info(found.path)
+            g = read_gguf(found.path)
+            m = models.model_info(found.path, g)
             row.update(arch=m.arch, params=m.n_params, quant=m.quant, size=m.file_size, n_ctx_train=m.n_ctx_train,
                        kv_bytes_per_token_f16=m.kv_bytes_per_token(), chat_template=m.has_chat_template,
                        sliding_window=m.n_swa)
+            refused = template_problem(g.get("tokenizer.chat_template"), "tokenizer.chat_template" in g.invalid_utf8)
+            if refused:
+                row["template_refused"] = refused
         except ModelError as exc:
             row["error"] = str(exc)
         rows.append(row)
@@ -52,14 +62,16 @@ def cmd_models(argv: Sequence[str]) -> int:
             continue
         _out(f"{r['name'][:36]:<36} {r['arch']:<8} {r['params'] / 1e9:>6.2f}B {r['quant']:<7} "
              f"{r['size'] / 1e9:>6.2f}GB {r['n_ctx_train']:>7} {r['kv_bytes_per_token_f16']:>9,} "
-             f"{'yes' if r['chat_template'] else 'no ':<5} {r['source']}")
+             f"{'REFUSED' if 'template_refused' in r else 'yes' if r['chat_template'] else 'no':<5} {r['source']}")
+        if "template_refused" in r:
+            _out(f"    its chat template is refused: {r['template_refused']}")
     return 0
 
 
 # ---------------------------------------------------------------- plan
 def cmd_plan(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="localchat plan", description="memory plan for a profile and a model")
-    _profile_args(p)
+    profile_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable; keys documented in README.md")
     args = p.parse_args(argv)
     profile = runtime.load_profile(args.profile, overrides(args))
@@ -99,19 +111,18 @@ def verify_session(s: SessionStore) -> list[str]:
     if not s.state.exists():
         problems.append("no saved KV state (the next resume rebuilds it from the transcript)")
         return problems
+    model_path = meta.get("model", {}).get("path")
+    fp = None
+    if model_path:
+        try:
+            fp = fingerprint(model_path)
+        except OSError:
+            problems.append(f"model file {model_path} is not there (state kept)")
+    settings = meta.get("kv_settings")
     try:
         header, offset = statefile.read_header(s.state)
         statefile.read_payload(s.state, header, offset)
-        if header.tokens != conv.window_tokens()[:len(header.tokens)]:
-            raise statefile.StateRejected("the state does not match the transcript")
-        model_path = meta.get("model", {}).get("path")
-        if model_path:
-            from localchat.fingerprint import fingerprint
-            try:
-                if fingerprint(model_path) != header.fingerprint:
-                    raise statefile.StateRejected(f"the model at {model_path} is not the one the state was saved with")
-            except OSError:
-                problems.append(f"model file {model_path} is not there (state kept)")
+        check_state(header, conv.window_tokens(), fp, settings if isinstance(settings, dict) else None)
     except statefile.StateRejected as exc:
         problems.append(f"KV state rejected: {exc}")
     return problems

@@ -87,6 +87,13 @@ class Conversation:
         del self.messages[last_user:]
         return dropped
 
+    def pin_last(self) -> bool:
+        """Keep the last exchange in the window when the context fills; False when there is none."""
+        users = [m for m in self.messages if m.role == "user" and m.in_window]
+        if users:
+            users[-1].pinned = True
+        return bool(users)
+
     def evictable(self) -> list[tuple[int, int, int]]:
         """Exchanges that may leave the window, oldest first (not pinned)."""
         return [s for s in self.exchange_spans() if not self.messages[s[0]].pinned]

@@ -19,3 +19,12 @@ class SessionError(LocalchatError):
 
 class ContextFullError(LocalchatError):
     pass
+
+
+class TemplateFailure(ModelError):
+    """The model's chat template broke a bound, the sandbox or its own rules: at load the chat
+    does not start; during a chat the turn ends with the message (line mode exits 2)."""
+
+    def __init__(self, message: str, kind: str = "template"):
+        super().__init__(message)
+        self.kind = kind  # bound, sandbox, template (its own raise_exception), syntax

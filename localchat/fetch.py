@@ -8,9 +8,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from localchat import paths
 from localchat.errors import ModelError

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 PRIVATE_FILE = 0o600
 
@@ -18,7 +18,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, chunks: Iterable[bytes]) -> None:
+def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
     """Write to a temp file, fsync, rename over path, fsync the directory."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)

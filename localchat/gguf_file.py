@@ -70,6 +70,7 @@ class GGUFInfo:
     file_size: int
     metadata: dict[str, Any] = field(default_factory=dict)
     array_lengths: dict[str, int] = field(default_factory=dict)
+    invalid_utf8: set[str] = field(default_factory=set)  # string values that were not UTF-8 (read with U+FFFD)
     tensors: list[TensorInfo] = field(default_factory=list)
     data_offset: int = 0
 
@@ -95,11 +96,14 @@ class _Reader:
     def unpack(self, fmt: str) -> Any:
         return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
 
-    def string(self) -> str:
+    def raw_string(self) -> bytes:
         n = self.unpack("<Q")
         if n > self.size:
             raise self.fail(f"string length {n} exceeds the file size")
-        return self.read(n).decode("utf-8", errors="replace")
+        return self.read(n)
+
+    def string(self) -> str:
+        return self.raw_string().decode("utf-8", errors="replace")
 
     def skip(self, n: int) -> None:
         if n < 0 or self.f.tell() + n > self.size:
@@ -110,7 +114,12 @@ class _Reader:
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
         if vtype == STRING:
-            return self.string()
+            raw = self.raw_string()
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError:
+                info.invalid_utf8.add(key)
+                return raw.decode("utf-8", errors="replace")
         if vtype == ARRAY:
             etype, count = self.unpack("<I"), self.unpack("<Q")
             if count > self.size:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import io
 import signal
 import sys
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from localchat import slash, status
-from localchat.errors import LocalchatError
+from localchat.errors import LocalchatError, TemplateFailure
 from localchat.sessionctl import SessionControl
 from localchat.stats import TurnStats
 
@@ -19,9 +20,9 @@ class Interrupt:
 
     def __init__(self) -> None:
         self.flag = False
-        self._previous = None
+        self._previous: Any = None  # the handler to put back: a function, SIG_DFL or SIG_IGN
 
-    def __enter__(self) -> "Interrupt":
+    def __enter__(self) -> Interrupt:
         def handler(_sig, _frame) -> None:
             if self.flag:
                 raise KeyboardInterrupt
@@ -37,7 +38,9 @@ class Interrupt:
 
 
 def run_lines(ctl: SessionControl, after_turn: Callable[[TurnStats], None],
-              stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr) -> None:
+              stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr) -> int:
+    """The chat over lines; the exit code: 0, or 2 when the model's chat template failed mid-chat
+    (a script must not take a chat that cannot go on for a success)."""
     def emit(text: str) -> None:
         stdout.write(text)
         stdout.flush()
@@ -50,23 +53,26 @@ def run_lines(ctl: SessionControl, after_turn: Callable[[TurnStats], None],
         if not line.strip():
             continue
         with Interrupt() as cancelled:
-            if line.startswith("/"):
-                try:
-                    out = slash.dispatch(slash.CommandContext(ctl, emit, cancelled, after_turn), line)
-                except slash.Quit:
-                    return
-                except LocalchatError as exc:
-                    out = f"localchat: {exc}"
-                if out:
-                    stderr.write(out.rstrip("\n") + "\n")
-                continue
             try:
-                st = ctl.turn(line, emit, cancelled)
-            except LocalchatError as exc:
+                if line.startswith("/"):
+                    out = slash.dispatch(slash.CommandContext(ctl, emit, cancelled), line)
+                else:
+                    out = ctl.turn(line, emit, cancelled)
+            except slash.Quit:
+                return 0
+            except TemplateFailure as exc:
                 stderr.write(f"localchat: {exc}\n")
-                continue
+                return 2
+            except LocalchatError as exc:
+                out = f"localchat: {exc}"
+        if isinstance(out, str):
+            if out:
+                stderr.write(out.rstrip("\n") + "\n")
+            continue
+        st = out
         stdout.write("\n")
         stdout.flush()
         after_turn(st)
         stderr.write(status.summary_line(st) + "\n")
         stderr.flush()
+    return 0

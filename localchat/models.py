@@ -122,7 +122,7 @@ def model_info(path: str | Path, gguf: GGUFInfo | None = None) -> ModelInfo:
         counts: dict[int, int] = {}
         for t in g.tensors:
             counts[t.ggml_type] = counts.get(t.ggml_type, 0) + t.n_elements
-        quant = GGML_TYPE_NAMES.get(max(counts, key=counts.get), "?") if counts else "?"
+        quant = GGML_TYPE_NAMES.get(max(counts, key=counts.__getitem__), "?") if counts else "?"
     return ModelInfo(
         path=Path(g.path), name=g.get("general.name") or Path(g.path).stem, arch=arch,
         n_params=sum(t.n_elements for t in g.tensors), quant=quant, file_size=g.file_size,

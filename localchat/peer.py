@@ -8,7 +8,7 @@ import socket
 import subprocess
 import time
 
-from localchat.engine import EngineConfig, _cpu_has_amx
+from localchat.engine import EngineConfig, cpu_has_amx
 
 
 def _free_port() -> int:
@@ -30,11 +30,11 @@ class PeerServer:
         cmd = [path, *_common_flags(c), "-c", str(c.n_ctx), "-b", str(c.n_batch), "-ub", str(c.n_ubatch),
                "-fa", "on" if c.flash_attn else "off", "-ctk", c.type_k, "-ctv", c.type_v, "-np", "1",
                "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
-        if _cpu_has_amx():
+        if cpu_has_amx():
             cmd.append("--no-repack")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    def __enter__(self) -> "PeerServer":
+    def __enter__(self) -> PeerServer:
         deadline = time.time() + 300
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -86,7 +86,7 @@ def run_llama_bench(path: str, c: EngineConfig, depth: int, n_gen: int) -> float
     """llama-bench's decode speed (tokens/s) at a context depth, same model and settings."""
     cmd = [path, *_common_flags(c), "-p", "0", "-n", str(n_gen), "-d", str(depth), "-fa", "1" if c.flash_attn else "0",
            "-ctk", c.type_k, "-ctv", c.type_v, "-ub", str(c.n_ubatch), "-r", "3", "-o", "json"]
-    if _cpu_has_amx():
+    if cpu_has_amx():
         cmd += ["--repack", "0"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:

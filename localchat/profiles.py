@@ -80,8 +80,10 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "autosave": ((bool,), lambda v: True, "true or false"),
     "max_kv_disk_gb": (_NUM, lambda v: 0 <= v <= 1 << 20, "a number of GB, 0 or more"),
 }
-PROFILE_KEYS = tuple(_RULES) + ("extends",)
-assert set(_RULES) == {f.name for f in fields(Profile)} - {"name", "source"}
+# the settings a profile file or a command-line option can set: every field but where it came from
+SETTING_KEYS = tuple(f.name for f in fields(Profile) if f.name not in ("name", "source"))
+PROFILE_KEYS = SETTING_KEYS + ("extends",)
+assert set(_RULES) == set(SETTING_KEYS)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -188,9 +190,9 @@ def load(name_or_path: str) -> Profile:
     merged: dict[str, Any] = {}
     for _, data in reversed(chain):
         merged.update({k: v for k, v in data.items() if k != "extends"})
-    for k in ("vram_gb", "reserve_gb", "temperature", "top_p", "min_p", "repeat_penalty", "max_kv_disk_gb"):
-        if k in merged:
-            merged[k] = float(merged[k])
+    for k, (types, _, _) in _RULES.items():
+        if types is _NUM and k in merged:
+            merged[k] = float(merged[k])  # YAML's 12 and 12.0 mean the same number of GB
     top = chain[0][0]
     profile = Profile(name=Path(name_or_path).stem if top.suffix else name_or_path, source=str(top), **merged)
     check_consistency(profile)

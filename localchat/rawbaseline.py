@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import llama_cpp
 
-from localchat.engine import KV_TYPES, EngineConfig, _cpu_has_amx
+from localchat.engine import KV_TYPES, EngineConfig, cpu_has_amx
 
 
 @contextlib.contextmanager
@@ -22,7 +22,7 @@ def _no_extra_bufts_on_amx() -> Iterator[None]:
 
     def patched():
         params = original()
-        params.use_extra_bufts = not _cpu_has_amx()
+        params.use_extra_bufts = not cpu_has_amx()
         return params
 
     llama_cpp.llama.llama_cpp.llama_model_default_params = patched

@@ -8,10 +8,11 @@ reply ends it is printed into the scrollback and the prompt comes back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.application import Application
@@ -56,7 +57,7 @@ def bar_state(ctl: SessionControl) -> status.BarState:
         layers_total=rt.plan.layers_total, n_ctx=rt.engine.n_ctx, ctx_used=len(rt.engine.tokens),
         kv_type=rt.engine.config.type_k if rt.engine.config.type_k == rt.engine.config.type_v
         else f"{rt.engine.config.type_k}/{rt.engine.config.type_v}",
-        kv_bytes_per_token=rt.model.kv_bytes_per_token(rt.engine.config.type_k, rt.engine.config.type_v),
+        kv_bytes_per_token=rt.kv_bytes_per_token,
         autosave=ctl.save_status)
 
 
@@ -79,14 +80,9 @@ class Repl:
         self.cancel = threading.Event()
         self._app: Application | None = None
         self._drawn = 0.0
-        ctl.on_status = self._on_save_status
         self.session: PromptSession = self._prompt_session()
 
     # ------------------------------------------------------------ pieces
-    def _on_save_status(self, s: str) -> None:
-        self.bar.autosave = s
-        self._invalidate()
-
     def _invalidate(self) -> None:
         # a redraw holds the GIL the generating thread needs: a few per second is enough to read
         now = time.monotonic()
@@ -95,6 +91,7 @@ class Repl:
             self._app.invalidate()
 
     def _toolbar(self) -> FormattedText:
+        self.bar.autosave = self.ctl.save_status  # set by the writer thread; shown at the next redraw
         return FormattedText(status.toolbar(self.bar))
 
     def _prompt_session(self) -> PromptSession:
@@ -121,7 +118,8 @@ class Repl:
         tail = self.reply[-LIVE_CHARS:]
         return FormattedText([("", "\n".join(tail.split("\n")[-LIVE_ROWS:]))])
 
-    async def _run_turn(self, job: Callable[[Callable[[str], None], Callable[[], bool]], TurnStats | str | None],
+    async def _run_turn(self, job: Callable[[Callable[[str], None], Callable[[], bool], Callable[[int, int], None]],
+                                            TurnStats | str | None],
                         typeahead: Buffer) -> TurnStats | str | None:
         """Run job in a worker thread under a live view; Ctrl-C stops it and keeps what came."""
         self.reply, self.bar.phase, self.bar.live_tokens = "", "prefill", 0
@@ -183,7 +181,6 @@ class Repl:
         self._show_reply(st)
         self.after_turn(st)
         self.bar.last, self.bar.ctx_used = st, st.ctx_used
-        self.bar.autosave = self.ctl.save_status
 
     # ------------------------------------------------------------ the loop
     async def run_async(self) -> None:
@@ -207,8 +204,7 @@ class Repl:
                     if out:
                         self.print(out, "class:info")
                 else:
-                    st = await self._run_turn(lambda emit, cancelled, progress: self.ctl.turn(
-                        line, emit, cancelled, progress), typeahead)
+                    st = await self._run_turn(functools.partial(self.ctl.turn, line), typeahead)
                     if isinstance(st, TurnStats):
                         self._finish_turn(st)
             except slash.Quit:
@@ -219,19 +215,18 @@ class Repl:
         self.print("saving...", "class:info")
 
     async def _command(self, line: str, typeahead: Buffer) -> str:
-        if line.split()[0] == "/retry":
-            def job(emit, cancelled, progress):
-                return self.ctl.chat.retry(emit, cancelled)
-            st = await self._run_turn(job, typeahead)
-            if st is None:
-                return "nothing to retry"
-            self._finish_turn(st)
+        cmd = slash.lookup(line)
+        if cmd is not None and cmd.replies:  # streams a reply: run under the live view, like a turn
+            out = await self._run_turn(lambda emit, cancelled, progress: slash.dispatch(
+                slash.CommandContext(self.ctl, emit, cancelled), line), typeahead)
+        else:
+            out = slash.dispatch(slash.CommandContext(self.ctl, self.print, self.cancel.is_set), line)
+        if isinstance(out, TurnStats):
+            self._finish_turn(out)
             return ""
-        ctx = slash.CommandContext(self.ctl, self.print, self.cancel.is_set, self.after_turn)
-        out = slash.dispatch(ctx, line)
         self.bar = bar_state(self.ctl) if line.split()[0] in ("/new", "/load") else self.bar
         self.bar.ctx_used = len(self.ctl.rt.engine.tokens)
-        return out
+        return out or ""
 
 
 def run(ctl: SessionControl, after_turn: AfterTurn, input: Input | None = None, output: Output | None = None) -> None:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any
 
-from localchat import models, plan as planmod, profiles
+from localchat import models, profiles
+from localchat import plan as planmod
 from localchat.chat import ChatSession, ChatSettings
 from localchat.engine import Engine, EngineConfig, SamplingConfig, gpu_offload_supported
+from localchat.errors import ModelError, TemplateFailure
 from localchat.models import ModelInfo
 from localchat.plan import MemoryPlan
 from localchat.profiles import Profile
-from localchat.templates import ChatFormat
+from localchat.templates import ChatFormat, template_problem
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,11 @@ class Runtime:
     engine: Engine
     chat: ChatSession
     gpu_warning: str = ""
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token takes in this context's KV cache (all layers, its K and V types)."""
+        return self.model.kv_bytes_per_token(self.engine.config.type_k, self.engine.config.type_v)
 
     def close(self) -> None:
         self.engine.close()
@@ -75,8 +84,21 @@ def chat_settings(profile: Profile) -> ChatSettings:
 
 
 def chat_format(engine: Engine) -> ChatFormat:
-    return ChatFormat(engine.meta("tokenizer.chat_template"), engine.special_text("bos"),
-                      engine.special_text("eos"))
+    """The model's chat template, probed at load: a template that is not UTF-8, breaks a bound or
+    the sandbox stops the chat here, naming the model file."""
+    name = Path(engine.config.model_path).name
+    raw = engine.meta_bytes("tokenizer.chat_template")
+    try:
+        template = raw.decode("utf-8") if raw is not None else None
+    except UnicodeDecodeError:
+        raise TemplateFailure(f"{name}: {template_problem(None, invalid_utf8=True)}; use another GGUF",
+                              "bound") from None
+    try:
+        return ChatFormat(template, engine.special_text("bos"), engine.special_text("eos"))
+    except TemplateFailure as exc:
+        raise TemplateFailure(f"{name}: {exc}", exc.kind) from None
+    except ModelError as exc:
+        raise ModelError(f"{name}: {exc}") from None
 
 
 def open_runtime(profile: Profile, report: Report, verbose: bool = False) -> Runtime:
@@ -84,5 +106,10 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False) -> Run
     profile, warning = effective_profile(profile)
     plan = make_plan(profile, info)
     engine = Engine(engine_config(profile, info, plan.n_ctx, verbose))
-    chat = ChatSession(engine, chat_format(engine), chat_settings(profile))
+    try:
+        fmt = chat_format(engine)
+    except ModelError:
+        engine.close()
+        raise
+    chat = ChatSession(engine, fmt, chat_settings(profile))
     return Runtime(profile, info, plan, engine, chat, warning)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import difflib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from localchat import plan as planmod
+from localchat import transcript
+from localchat.prefixcache import PrefixCache
+from localchat.profiles import SETTING_KEYS
 from localchat.sessionctl import SessionControl, auto_name
+from localchat.stats import TurnStats
 from localchat.store import SessionStore, list_sessions
 
 
@@ -21,14 +25,17 @@ class CommandContext:
     ctl: SessionControl
     emit: Callable[[str], None]  # streamed reply text, for /retry
     cancelled: Callable[[], bool]
-    after_turn: Callable
+
+
+Outcome = str | TurnStats  # a message for the user, or the stats of a reply the command generated
 
 
 @dataclass(frozen=True)
 class Command:
     usage: str
     help: str
-    run: Callable[[CommandContext, str], str]
+    run: Callable[[CommandContext, str], Outcome]
+    replies: bool = False  # generates a reply: the UI runs it as it runs a turn
 
 
 def _help(ctx: CommandContext, arg: str) -> str:
@@ -84,13 +91,9 @@ def _undo(ctx: CommandContext, arg: str) -> str:
         "last exchange dropped; the sliding window cannot rewind: the next turn recomputes"
 
 
-def _retry(ctx: CommandContext, arg: str) -> str:
+def _retry(ctx: CommandContext, arg: str) -> Outcome:
     st = ctx.ctl.chat.retry(ctx.emit, ctx.cancelled)
-    if st is None:
-        return "nothing to retry"
-    ctx.emit("\n")
-    ctx.after_turn(st)
-    return ""
+    return "nothing to retry" if st is None else st
 
 
 def _stats(ctx: CommandContext, arg: str) -> str:
@@ -113,31 +116,28 @@ def _stats(ctx: CommandContext, arg: str) -> str:
 
 def _cache(ctx: CommandContext, arg: str) -> str:
     ctl = ctx.ctl
-    e, rt = ctl.rt.engine, ctl.rt
-    per_tok = rt.model.kv_bytes_per_token(e.config.type_k, e.config.type_v)
+    e, per_tok = ctl.rt.engine, ctl.rt.kv_bytes_per_token
     lines = [f"KV holds {e.n_kv} tokens of {e.n_ctx} ({e.n_kv * per_tok / (1 << 20):.1f} MiB at "
              f"{per_tok:,} bytes/token, {e.config.type_k}/{e.config.type_v}); {len(e.tokens) - e.n_kv} pending"]
     if ctl.store is not None and ctl.store.state.exists():
         lines.append(f"saved state: {ctl.store.state.stat().st_size / 1e6:.1f} MB ({ctl.save_status or 'saved'})")
-    snaps = list(ctl.prefix_snapshots())
+    snaps = PrefixCache.snapshots()
     lines.append(f"prefix snapshots: {len(snaps)} ({sum(p.stat().st_size for p in snaps) / 1e6:.1f} MB)")
     return "\n".join(lines)
 
 
 def _profile(ctx: CommandContext, arg: str) -> str:
     p = ctx.ctl.rt.profile
-    keys = ("n_gpu_layers", "n_ctx", "type_k", "type_v", "flash_attn", "swa_full", "n_batch", "n_ubatch",
-            "n_threads", "temperature", "top_k", "top_p", "min_p", "max_tokens", "overflow", "autosave")
-    head = [f"profile {p.name} ({p.source})", "  " + ", ".join(f"{k}={getattr(p, k)}" for k in keys)]
+    shown = [k for k in SETTING_KEYS if k not in ("model", "system")]  # the plan names the model
+    head = [f"profile {p.name} ({p.source})", "  " + ", ".join(f"{k}={getattr(p, k)}" for k in shown)]
     return "\n".join(head + ["  " + line for line in planmod.describe(ctx.ctl.rt.plan)])
 
 
 def _pin(ctx: CommandContext, arg: str) -> str:
-    msgs = [m for m in ctx.ctl.chat.conv.messages if m.role == "user" and m.in_window]
-    if not msgs:
+    chat = ctx.ctl.chat
+    if not chat.conv.pin_last():
         return "nothing to pin"
-    msgs[-1].pinned = True
-    ctx.ctl.chat.events.append({"t": "pin"})
+    chat.events.append(transcript.pin())
     return "last exchange pinned: it stays in the window when the context fills"
 
 
@@ -153,7 +153,7 @@ COMMANDS: dict[str, Command] = {
     "/sessions": Command("/sessions", "list saved sessions", _sessions),
     "/system": Command("/system [TEXT]", "show or set the system prompt", _system),
     "/undo": Command("/undo", "drop the last exchange (rewinds the KV when safe)", _undo),
-    "/retry": Command("/retry", "regenerate the last reply", _retry),
+    "/retry": Command("/retry", "regenerate the last reply", _retry, replies=True),
     "/stats": Command("/stats", "per-turn table: cached, recomputed, TTFT, tok/s", _stats),
     "/cache": Command("/cache", "what the KV holds, state size on disk, prefix snapshots", _cache),
     "/profile": Command("/profile", "active settings and the memory plan", _profile),
@@ -162,10 +162,14 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def dispatch(ctx: CommandContext, line: str) -> str:
+def lookup(line: str) -> Command | None:
+    return COMMANDS.get(line.strip().partition(" ")[0].lower())
+
+
+def dispatch(ctx: CommandContext, line: str) -> Outcome:
     """Run a slash command; unknown ones get a hint and nothing reaches the model."""
     name, _, arg = line.strip().partition(" ")
-    cmd = COMMANDS.get(name.lower())
+    cmd = lookup(line)
     if cmd is None:
         close = difflib.get_close_matches(name.lower(), list(COMMANDS), n=1)
         return f"unknown command {name}" + (f"; did you mean {close[0]}?" if close else "") + " (/help lists them)"

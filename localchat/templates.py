@@ -11,10 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from localchat.errors import ModelError
+from localchat.errors import ModelError, TemplateFailure
+from localchat.templatebox import BOX, TemplateRefused
 
 USER_SENTINEL = "LocalchatUserSentinel7f3a"
 REPLY_SENTINEL = "LocalchatReplySentinel91c2"
@@ -41,8 +39,12 @@ class TurnText:
     after: str
 
 
-def _raise(message: str) -> None:
-    raise TemplateError(message)
+# a probe conversation rendered at load: long enough that a template turning hostile after a few
+# messages shows it before the first turn; the system role is probed apart
+_PROBE = [{"role": r, "content": c} for r, c in (("user", "Hello."), ("assistant", "Hi! How can I help?"),
+                                                 ("user", "What is 2 + 2?"), ("assistant", "4."),
+                                                 ("user", "Thanks. Name a colour."), ("assistant", "Blue."),
+                                                 ("user", "One more, please."))]
 
 
 class ChatFormat:
@@ -50,28 +52,46 @@ class ChatFormat:
         self.is_fallback = not template
         self.source = template or FALLBACK_TEMPLATE
         self.stop_strings: tuple[str, ...] = FALLBACK_STOP if self.is_fallback else ()
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals.update(raise_exception=_raise,
-                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
-        try:
-            self._template = env.from_string(self.source)
-        except TemplateError as exc:
-            raise ModelError(f"the model's chat template does not parse ({exc}); use a GGUF with a valid template") from exc
         self._bos, self._eos = bos_token, eos_token
+        self.now: datetime | None = None  # the date templates print (strftime_now); None: today
         # the stand-in conversation is fixed, so each delta is the same every turn
         self._first: dict[str, tuple[str, str]] = {}
         self._next: dict[str, tuple[str, str]] = {}
+        self.system_role = True  # False: the template refuses a system message; it is folded in
+        self._probe()
+
+    def _probe(self) -> None:
+        """Render the probe conversation now, at load: a template that breaks a bound, the sandbox
+        or its own rules is refused before any turn. One that refuses only the system role (Gemma 2,
+        Mistral 7B v0.1) gets the system prompt folded into the first user message instead."""
+        self.render(_PROBE, True)
+        try:
+            self.render([{"role": "system", "content": "You are helpful."}, *_PROBE], True)
+        except TemplateFailure as exc:
+            if exc.kind != "template":
+                raise
+            self.system_role = False
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """The template's own rendering, as Hugging Face transformers renders it, inside bounds."""
+        context = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                   "bos_token": self._bos, "eos_token": self._eos}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self._bos, eos_token=self._eos)
-        except TemplateError as exc:
-            raise ModelError(f"the model's chat template failed to render: {exc}") from exc
+            return BOX.render(self.source, context, self.now)
+        except TemplateRefused as exc:
+            if exc.kind == "syntax":
+                raise TemplateFailure(f"the model's chat template does not parse ({exc}); use a GGUF with a "
+                                      "valid template", exc.kind) from None
+            verb = "failed to render" if exc.kind == "template" else "was refused"
+            raise TemplateFailure(f"the model's chat template {verb}: {exc}", exc.kind) from None
 
-    @staticmethod
-    def _system(system: str | None) -> list[dict[str, str]]:
-        return [{"role": "system", "content": system}] if system else []
+    def _system(self, system: str | None, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        if not system:
+            return messages
+        if self.system_role:
+            return [{"role": "system", "content": system}, *messages]
+        first = messages[0]
+        return [{"role": first["role"], "content": f"{system}\n\n{first['content']}"}, *messages[1:]]
 
     def _split(self, text: str, start: int) -> tuple[str, str]:
         i = text.find(USER_SENTINEL, start)
@@ -83,7 +103,7 @@ class ChatFormat:
         """The whole first prompt: system prompt, the user's words, the generation prompt."""
         key = system or ""
         if key not in self._first:
-            msgs = self._system(system) + [{"role": "user", "content": USER_SENTINEL}]
+            msgs = self._system(system, [{"role": "user", "content": USER_SENTINEL}])
             self._first[key] = self._split(self.render(msgs, True), 0)
         before, after = self._first[key]
         return TurnText(before, user, after)
@@ -92,11 +112,11 @@ class ChatFormat:
         """What follows a finished reply: the reply's closing, the user's words, the generation prompt."""
         key = system or ""
         if key not in self._next:
-            msgs = self._system(system) + [
+            msgs = self._system(system, [
                 {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": REPLY_SENTINEL},
                 {"role": "user", "content": USER_SENTINEL},
-            ]
+            ])
             text = self.render(msgs, True)
             start = text.find(REPLY_SENTINEL)
             if start < 0:
@@ -104,3 +124,16 @@ class ChatFormat:
             self._next[key] = self._split(text, start + len(REPLY_SENTINEL))
         before, after = self._next[key]
         return TurnText(before, user, after)
+
+
+def template_problem(template: str | None, invalid_utf8: bool = False) -> str:
+    """Why a model file's chat template would be refused at load ("" when it would not)."""
+    if invalid_utf8:
+        return "the chat template is not valid UTF-8 text"
+    if not template:
+        return ""
+    try:
+        ChatFormat(template)
+    except ModelError as exc:
+        return str(exc)
+    return ""

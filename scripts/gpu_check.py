@@ -11,7 +11,8 @@ import json
 import sys
 import time
 
-from localchat import plan as planmod, profiles
+from localchat import plan as planmod
+from localchat import profiles
 from localchat.chat import ChatSession, ChatSettings
 from localchat.engine import Engine, EngineConfig, SamplingConfig, gpu_offload_supported
 from localchat.models import model_info

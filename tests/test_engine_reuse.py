@@ -58,6 +58,7 @@ def test_reuse_changes_speed_never_output(demo_engine):
 def test_next_turn_head_is_evaluated_after_the_reply_and_changes_no_output(demo_engine):
     warm = greedy_chat(demo_engine, system="You are brief.")
     replies_warm = []
+    idle = 0
     for q in QUESTIONS[:4]:
         st = warm.turn(q)
         replies_warm.append(warm.conv.messages[-1].tokens)

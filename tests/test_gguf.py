@@ -7,7 +7,7 @@ import pytest
 from localchat.errors import ModelError
 from localchat.gguf_file import read_gguf
 from localchat.models import model_info
-from tests.gguf_writer import write_gguf, llama_shape
+from tests.gguf_writer import llama_shape, write_gguf
 
 
 def _header(version=3, n_tensors=0, n_kv=0):

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from localchat import plan as planmod, profiles
+from localchat import plan as planmod
+from localchat import profiles
 from localchat.errors import ProfileError
 from localchat.models import model_info
 from tests.conftest import make_engine

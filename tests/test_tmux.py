@@ -11,8 +11,6 @@ import time
 import uuid
 
 
-
-
 class Tmux:
     def __init__(self, command: str, env: dict[str, str]):
         self.name = f"lc-{uuid.uuid4().hex[:8]}"

@@ -40,6 +40,7 @@ def test_no_pickle_on_any_load_path(tally):
         assert ok, f
     # the one YAML loader in use is a SafeLoader
     import yaml
+
     from localchat.profiles import _UniqueKeyLoader
     assert issubclass(_UniqueKeyLoader, yaml.SafeLoader)
 

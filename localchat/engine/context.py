@@ -1,133 +1,30 @@
 """The llama.cpp context: a token-canonical KV, reuse/rewind/shift, generation, state copy.
 
-The only module that imports llama_cpp. It uses llama.cpp's C API through
-llama-cpp-python's bindings rather than the `Llama` class, which keeps an
-n_batch x n_vocab float array on the host (0.5 GiB with a 262k vocabulary).
+It uses llama.cpp's C API through llama-cpp-python's bindings rather than the `Llama` class,
+which keeps an n_batch x n_vocab float array on the host (0.5 GiB with a 262k vocabulary).
 """
 
 from __future__ import annotations
 
 import codecs
 import ctypes
-import logging
-import os
-import re
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import llama_cpp as lc
 
+from localchat.engine.backend import KV_TYPES, SEQ, cpu_has_amx, init_backend, kv_buffers, start_kv_log
+from localchat.engine.types import Cancelled, EngineConfig, Generation, PrefillResult, SamplingConfig
 from localchat.errors import ModelError
-
-log = logging.getLogger(__name__)
-
-SEQ = 0
-KV_TYPES = {"f32": lc.GGML_TYPE_F32, "f16": lc.GGML_TYPE_F16, "bf16": 30,
-            "q8_0": lc.GGML_TYPE_Q8_0, "q4_0": lc.GGML_TYPE_Q4_0, "q4_1": lc.GGML_TYPE_Q4_1,
-            "q5_0": lc.GGML_TYPE_Q5_0, "q5_1": lc.GGML_TYPE_Q5_1, "iq4_nl": lc.GGML_TYPE_IQ4_NL}
-
-_LOG_CALLBACK = None  # keeps the ctypes callback alive for the process
-
-
-def llama_version() -> str:
-    return lc.__version__
-
-
-def gpu_offload_supported() -> bool:
-    return bool(lc.llama_supports_gpu_offload())
-
-
-def _init_backend(verbose: bool) -> None:
-    global _LOG_CALLBACK
-    if _LOG_CALLBACK is None:
-        lc.llama_backend_init()
-
-        @lc.llama_log_callback
-        def _cb(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-            if text and b"KV buffer size" in text:
-                _KV_LOG.append(text.decode("utf-8", errors="replace"))
-            if _VERBOSE[0] and text:
-                log.debug(text.decode("utf-8", errors="replace").rstrip("\n"))
-
-        _LOG_CALLBACK = _cb
-        lc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-    _VERBOSE[0] = verbose
-
-
-_VERBOSE = [False]
-_KV_LOG: list[str] = []  # llama.cpp's "KV buffer size" lines: what it really allocated
-_KV_LINE = re.compile(r"(\S+) KV buffer size =\s*([\d.]+) MiB")
-
-
-def _cpu_has_amx() -> bool:
-    """ggml's AMX kernels die with SIGILL where the CPU reports AMX but the VM does not enable it
-    (seen on our CI machines), so AMX (and the other CPU repack buffers) stay off there."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return any(line.startswith("flags") and " amx_tile" in line for line in f)
-    except OSError:
-        return False
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model_path: str
-    n_ctx: int = 4096
-    n_gpu_layers: int = 0
-    n_threads: int = 0  # 0: all cores
-    flash_attn: bool = True
-    type_k: str = "f16"
-    type_v: str = "f16"
-    n_batch: int = 512
-    n_ubatch: int = 512
-    swa_full: bool = False
-    verbose: bool = False
-
-    def threads(self) -> int:
-        return self.n_threads or os.cpu_count() or 1
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 0.7
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    seed: int = 0xFFFFFFFF  # llama.cpp's "random seed"
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    cached: int
-    recomputed: int
-    seconds: float
-    first_diff: int  # first position where the KV and the prompt differed (-1: none)
-    rewind_refused: bool  # a sliding-window cache could not rewind: everything was recomputed
-
-
-@dataclass
-class Generation:
-    """Filled in while a reply streams; read after the iterator ends."""
-
-    tokens: list[int]
-    stop_reason: str = ""  # eog, max_tokens, stop_string, cancelled, context_full
-    first_token_at: float = 0.0
-    last_token_at: float = 0.0
-
-
-class Cancelled(Exception):
-    """Raised from a prefill stopped by the user; the KV holds what was evaluated so far."""
 
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        _init_backend(config.verbose)
+        init_backend(config.verbose)
         self.config = config
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = config.n_gpu_layers
-        mparams.use_extra_bufts = not _cpu_has_amx()
+        mparams.use_extra_bufts = not cpu_has_amx()
         self.model = lc.llama_model_load_from_file(config.model_path.encode(), mparams)
         if not self.model:
             raise ModelError(f"llama.cpp could not load {config.model_path} (run with --verbose for its log)")
@@ -138,17 +35,15 @@ class Engine:
         cparams.n_ubatch = min(config.n_ubatch, config.n_batch)
         cparams.n_seq_max = 1
         cparams.n_threads = cparams.n_threads_batch = config.threads()
-        cparams.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
+                                   else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         cparams.type_k = KV_TYPES[config.type_k]
         cparams.type_v = KV_TYPES[config.type_v]
         cparams.swa_full = config.swa_full
         cparams.no_perf = False
-        _KV_LOG.clear()
+        start_kv_log()
         self.ctx = lc.llama_init_from_model(self.model, cparams)
-        self.kv_buffers: dict[str, int] = {}  # buffer name (CPU, CUDA0) -> bytes llama.cpp allocated
-        for line in _KV_LOG:
-            if m := _KV_LINE.search(line):
-                self.kv_buffers[m[1]] = self.kv_buffers.get(m[1], 0) + round(float(m[2]) * (1 << 20))
+        self.kv_buffers = kv_buffers()  # buffer name (CPU, CUDA0) -> bytes llama.cpp allocated
         if not self.ctx:
             lc.llama_model_free(self.model)
             raise ModelError("llama.cpp could not create the context: too little memory for this n_ctx/KV type? "
@@ -198,10 +93,21 @@ class Engine:
     def add_bos(self) -> bool:
         return bool(lc.llama_vocab_get_add_bos(self.vocab))
 
+    def meta_bytes(self, key: str) -> bytes | None:
+        """A metadata value as the GGUF stores it (a chat template may be long or not UTF-8)."""
+        size = 1 << 16
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = lc.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+            if n < 0:
+                return None
+            if n < size:
+                return buf.raw[:n]
+            size = n + 1
+
     def meta(self, key: str) -> str | None:
-        buf = ctypes.create_string_buffer(1 << 16)
-        n = lc.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
+        raw = self.meta_bytes(key)
+        return None if raw is None else raw.decode("utf-8", errors="replace")
 
     def special_text(self, which: str) -> str:
         tok = {"bos": lc.llama_vocab_bos, "eos": lc.llama_vocab_eos}[which](self.vocab)
@@ -255,8 +161,8 @@ class Engine:
         b = self._batch
         n = len(tokens)
         # whole-slice stores run in C: element by element costs ~0.2 ms per 150 tokens in Python
-        self._batch_tokens[:n] = tokens
-        self._batch_pos[:n] = range(start_pos, start_pos + n)
+        self._batch_tokens[:n] = tokens  # type: ignore[assignment]  # ctypes takes a list of ints
+        self._batch_pos[:n] = range(start_pos, start_pos + n)  # type: ignore[call-overload]  # and a range
         ctypes.memset(b.logits, 0, n)
         if want_logits:
             b.logits[n - 1] = 1

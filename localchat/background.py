@@ -1,0 +1,70 @@
+"""Work off the chat's path: threads at low priority, and the one writer of state files."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+
+def lower_priority(idle: bool = True) -> None:
+    """Run this thread only when a core is idle (idle=True): hashing and writing a state must never
+    slow the next turn (on a 2-core machine llama.cpp's threads use every core). A thread that the
+    chat may have to wait for takes nice 10 instead: slowed by other work, never starved by it."""
+    tid = threading.get_native_id()
+    if idle:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except (AttributeError, OSError):
+            pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19 if idle else 10)
+    except (AttributeError, OSError):
+        pass
+
+
+class BackgroundWriter:
+    """Writes state files off the main thread, one job at a time; a newer job replaces a queued one."""
+
+    def __init__(self, on_status: Callable[[str], None]):
+        self._on_status = on_status
+        self._cond = threading.Condition()
+        self._job: Callable[[], object] | None = None
+        self._busy = False
+        self._thread = threading.Thread(target=self._loop, name="localchat-autosave", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], object]) -> None:
+        with self._cond:
+            self._job = job
+            self._cond.notify()
+        self._on_status("saving")
+
+    def _loop(self) -> None:
+        lower_priority()
+        while True:
+            with self._cond:
+                while self._job is None:
+                    self._cond.wait()
+                job, self._job, self._busy = self._job, None, True
+            try:
+                job()
+                status = "saved"
+            except OSError as exc:
+                status = f"failed: {exc.strerror or exc}"
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+            self._on_status(status)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._job is not None or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True

@@ -1,0 +1,12 @@
+"""The engine: the only package that imports llama_cpp (besides the benchmark's raw reference).
+
+`backend` holds llama.cpp's process-wide side, `types` the engine's plain data, `context`
+the Engine itself: one llama.cpp context holding a token-canonical KV.
+"""
+
+from localchat.engine.backend import KV_TYPES, cpu_has_amx, gpu_offload_supported, llama_version
+from localchat.engine.context import Engine
+from localchat.engine.types import Cancelled, EngineConfig, Generation, PrefillResult, SamplingConfig
+
+__all__ = ["KV_TYPES", "Cancelled", "Engine", "EngineConfig", "Generation", "PrefillResult", "SamplingConfig",
+           "cpu_has_amx", "gpu_offload_supported", "llama_version"]

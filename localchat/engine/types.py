@@ -1,0 +1,57 @@
+"""The engine's settings and results: plain data, no llama.cpp."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    n_ctx: int = 4096
+    n_gpu_layers: int = 0
+    n_threads: int = 0  # 0: all cores
+    flash_attn: bool = True
+    type_k: str = "f16"
+    type_v: str = "f16"
+    n_batch: int = 512
+    n_ubatch: int = 512
+    swa_full: bool = False
+    verbose: bool = False
+
+    def threads(self) -> int:
+        return self.n_threads or os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int = 0xFFFFFFFF  # llama.cpp's "random seed"
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    cached: int
+    recomputed: int
+    seconds: float
+    first_diff: int  # first position where the KV and the prompt differed (-1: none)
+    rewind_refused: bool  # a sliding-window cache could not rewind: everything was recomputed
+
+
+@dataclass
+class Generation:
+    """Filled in while a reply streams; read after the iterator ends."""
+
+    tokens: list[int]
+    stop_reason: str = ""  # eog, max_tokens, stop_string, cancelled, context_full
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+
+
+class Cancelled(Exception):
+    """Raised from a prefill stopped by the user; the KV holds what was evaluated so far."""

@@ -1,0 +1,35 @@
+"""Command-line options shared by the chat, `plan` and `bench`, and the JSON printer they use."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from localchat.profiles import SETTING_KEYS
+
+
+def profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", "-p", help="profile name or YAML path (default: cpu)")
+    p.add_argument("--model", "-m", help="GGUF path, built-in (demo, gemma-270m) or a name from 'localchat models'")
+    p.add_argument("--ctx", type=int, dest="n_ctx", help="context size in tokens")
+    p.add_argument("--gpu-layers", type=int, dest="n_gpu_layers", help="layers on the GPU (-1: all)")
+    p.add_argument("--kv-type", choices=("f16", "q8_0", "q4_0"), help="KV cache type for K and V")
+    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--threads", type=int, dest="n_threads", help="CPU threads (default: all cores)")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug logging, llama.cpp's log included")
+
+
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The profile settings given on the command line: every option named after a profile key."""
+    o = {k: getattr(args, k) for k in SETTING_KEYS if hasattr(args, k)}
+    if getattr(args, "kv_type", None):
+        o["type_k"] = o["type_v"] = args.kv_type
+    if getattr(args, "no_autosave", False):
+        o["autosave"] = False
+    return o
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
