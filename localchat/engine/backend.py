@@ -5,8 +5,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
+from pathlib import Path
 
 import llama_cpp as lc
+
+from localchat.engine.types import Device
 
 log = logging.getLogger("localchat.engine")
 
@@ -33,8 +36,8 @@ def init_backend(verbose: bool) -> None:
 
         @lc.llama_log_callback
         def _cb(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-            if text and b"KV buffer size" in text:
-                _KV_LOG.append(text.decode("utf-8", errors="replace"))
+            if text and b"buffer size" in text:
+                _BUFFER_LOG.append(text.decode("utf-8", errors="replace"))
             if _VERBOSE[0] and text:
                 log.debug(text.decode("utf-8", errors="replace").rstrip("\n"))
 
@@ -44,22 +47,63 @@ def init_backend(verbose: bool) -> None:
 
 
 _VERBOSE = [False]
-_KV_LOG: list[str] = []  # llama.cpp's "KV buffer size" lines: what it really allocated
-_KV_LINE = re.compile(r"(\S+) KV buffer size =\s*([\d.]+) MiB")
+_BUFFER_LOG: list[str] = []  # llama.cpp's "... buffer size = N MiB" lines: what it really allocated
+_BUFFER_LINE = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size =\s*([\d.]+) MiB")
 
 
-def start_kv_log() -> None:
-    """Forget the KV buffers logged so far: the next context's are read by kv_buffers()."""
-    _KV_LOG.clear()
+def start_buffer_log() -> None:
+    """Forget the buffers logged so far: the next model's and context's are read by buffers()."""
+    _BUFFER_LOG.clear()
 
 
-def kv_buffers() -> dict[str, int]:
-    """Buffer name (CPU, CUDA0) -> KV bytes llama.cpp allocated since start_kv_log()."""
-    found: dict[str, int] = {}
-    for line in _KV_LOG:
-        if m := _KV_LINE.search(line):
-            found[m[1]] = found.get(m[1], 0) + round(float(m[2]) * (1 << 20))
+def buffers() -> dict[str, dict[str, int]]:
+    """Kind (model, KV, compute, output) -> buffer (CPU, CUDA0, CUDA_Host) -> bytes llama.cpp allocated
+    since start_buffer_log(), as its log reports them (to 0.01 MiB)."""
+    found: dict[str, dict[str, int]] = {}
+    for line in _BUFFER_LOG:
+        if m := _BUFFER_LINE.search(line):
+            per = found.setdefault(m[2], {})
+            per[m[1]] = per.get(m[1], 0) + round(float(m[3]) * (1 << 20))
     return found
+
+
+# ---------------------------------------------------------------- devices (ggml's registry)
+_DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
+
+
+def _ggml() -> ctypes.CDLL:
+    """The ggml library llama.cpp is linked against (already loaded with it)."""
+    lib = ctypes.CDLL(str(Path(lc.llama_cpp._lib._name).parent / "libggml.so"))
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_name.restype = ctypes.c_char_p
+    lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_description.restype = ctypes.c_char_p
+    lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.POINTER(ctypes.c_size_t)]
+    return lib
+
+
+def devices() -> list[Device]:
+    """Every device llama.cpp can use, with its free and total memory now (cudaMemGetInfo for a GPU)."""
+    init_backend(_VERBOSE[0])
+    try:
+        lib = _ggml()
+    except OSError:
+        return []
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append(Device(lib.ggml_backend_dev_name(dev).decode(errors="replace"),
+                          (lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
+                          _DEVICE_TYPES.get(lib.ggml_backend_dev_type(dev), "other"), free.value, total.value))
+    return out
 
 
 def cpu_has_amx() -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import llama_cpp as lc
 
-from localchat.engine.backend import KV_TYPES, SEQ, cpu_has_amx, init_backend, kv_buffers, start_kv_log
+from localchat.engine.backend import KV_TYPES, SEQ, buffers, cpu_has_amx, init_backend, start_buffer_log
 from localchat.engine.types import Cancelled, EngineConfig, Generation, PrefillResult, SamplingConfig
 from localchat.errors import ModelError
 
@@ -25,6 +25,7 @@ class Engine:
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = config.n_gpu_layers
         mparams.use_extra_bufts = not cpu_has_amx()
+        start_buffer_log()
         self.model = lc.llama_model_load_from_file(config.model_path.encode(), mparams)
         if not self.model:
             raise ModelError(f"llama.cpp could not load {config.model_path} (run with --verbose for its log)")
@@ -41,9 +42,10 @@ class Engine:
         cparams.type_v = KV_TYPES[config.type_v]
         cparams.swa_full = config.swa_full
         cparams.no_perf = False
-        start_kv_log()
         self.ctx = lc.llama_init_from_model(self.model, cparams)
-        self.kv_buffers = kv_buffers()  # buffer name (CPU, CUDA0) -> bytes llama.cpp allocated
+        # kind (model, KV, compute, output) -> buffer (CPU, CUDA0, CUDA_Host) -> bytes llama.cpp allocated
+        self.buffers = buffers()
+        self.kv_buffers = self.buffers.get("KV", {})
         if not self.ctx:
             lc.llama_model_free(self.model)
             raise ModelError("llama.cpp could not create the context: too little memory for this n_ctx/KV type? "

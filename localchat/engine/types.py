@@ -55,3 +55,14 @@ class Generation:
 
 class Cancelled(Exception):
     """Raised from a prefill stopped by the user; the KV holds what was evaluated so far."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device llama.cpp can run on, as ggml reports it."""
+
+    name: str  # CPU, CUDA0, ...
+    description: str  # the card's name
+    kind: str  # cpu, gpu, igpu, accel
+    free: int  # bytes free now
+    total: int  # bytes
