@@ -79,7 +79,7 @@ def cmd_plan(argv: Sequence[str]) -> int:
     profile, warning = runtime.effective_profile(profile)
     if warning:
         _report(f"localchat: warning: {warning}")
-    plan = planmod.make_plan(profile, info)
+    plan = planmod.make_plan(profile, info, free=runtime.gpu_free(profile))
     if args.json:
         print_json(plan.to_json())
     else:

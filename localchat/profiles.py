@@ -24,7 +24,8 @@ class Profile:
     name: str = "cpu"
     source: str = "<built-in>"
     vram_gb: float = 0.0  # GPU memory; 0 for a CPU-only machine
-    reserve_gb: float = 0.0  # kept free for the desktop, the driver and other programs
+    reserve_gb: float = 0.0  # kept free for the desktop and other programs (our CUDA context is counted apart)
+    free_margin_gb: float = 0.25  # kept free of what the card really has free at start
     model: str | None = None
     n_gpu_layers: int = 0  # -1: all
     n_ctx: int | str = 4096  # or "auto": the largest that fits
@@ -57,6 +58,7 @@ _NUM = (int, float)
 _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "vram_gb": (_NUM, lambda v: 0 <= v <= 4096, "a number of GB, 0 for CPU only"),
     "reserve_gb": (_NUM, lambda v: 0 <= v <= 4096, "a number of GB, 0 or more"),
+    "free_margin_gb": (_NUM, lambda v: 0 <= v <= 4096, "a number of GB, 0 or more"),
     "model": ((str, type(None)), lambda v: True, "a .gguf path, a built-in model or a model name"),
     "n_gpu_layers": ((int,), lambda v: v >= -1, "-1 (all), 0 (CPU) or a number of layers"),
     "n_ctx": ((int, str), lambda v: v == "auto" or (isinstance(v, int) and 256 <= v <= 1 << 21),

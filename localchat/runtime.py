@@ -11,7 +11,7 @@ from typing import Any
 from localchat import models, profiles
 from localchat import plan as planmod
 from localchat.chat import ChatSession, ChatSettings
-from localchat.engine import Engine, EngineConfig, SamplingConfig, gpu_offload_supported
+from localchat.engine import Engine, EngineConfig, SamplingConfig, devices, gpu_offload_supported
 from localchat.errors import ModelError, TemplateFailure
 from localchat.models import ModelInfo
 from localchat.plan import MemoryPlan
@@ -61,9 +61,21 @@ def effective_profile(profile: Profile) -> tuple[Profile, str]:
     return profile, ""
 
 
-def make_plan(profile: Profile, info: ModelInfo) -> MemoryPlan:
-    plan = planmod.make_plan(profile, info)
+def gpu_free(profile: Profile) -> int:
+    """Bytes free now on the GPU the profile offloads to (0: no GPU profile, or none found)."""
+    if not profile.offloads or profile.vram_gb <= 0:
+        return 0
+    return next((d.free for d in devices() if d.kind == "gpu"), 0)
+
+
+def plan_for(profile: Profile, info: ModelInfo, report: Report | None = None) -> MemoryPlan:
+    """The memory plan against the profile and the memory free on the card now; stops before
+    loading when it does not fit, and says when the free memory, not the profile, set the context."""
+    plan = planmod.make_plan(profile, info, free=gpu_free(profile))
     planmod.check_fits(plan, profile)
+    if report and plan.limited_by == "free memory" and profile.n_ctx == "auto":
+        report(f"localchat: {plan.device_free_bytes / (1 << 30):.2f} GiB free on the card, less than the profile's "
+               f"{plan.budget_bytes / (1 << 30):.2f} GiB budget, set the context: n_ctx {plan.n_ctx}")
     return plan
 
 
@@ -104,7 +116,7 @@ def chat_format(engine: Engine) -> ChatFormat:
 def open_runtime(profile: Profile, report: Report, verbose: bool = False) -> Runtime:
     info = resolve_model(profile, report)
     profile, warning = effective_profile(profile)
-    plan = make_plan(profile, info)
+    plan = plan_for(profile, info, report)
     engine = Engine(engine_config(profile, info, plan.n_ctx, verbose))
     try:
         fmt = chat_format(engine)

@@ -130,7 +130,8 @@ def _profile(ctx: CommandContext, arg: str) -> str:
     p = ctx.ctl.rt.profile
     shown = [k for k in SETTING_KEYS if k not in ("model", "system")]  # the plan names the model
     head = [f"profile {p.name} ({p.source})", "  " + ", ".join(f"{k}={getattr(p, k)}" for k in shown)]
-    return "\n".join(head + ["  " + line for line in planmod.describe(ctx.ctl.rt.plan)])
+    rt = ctx.ctl.rt
+    return "\n".join(head + ["  " + line for line in planmod.describe(rt.plan, rt.engine.buffers)])
 
 
 def _pin(ctx: CommandContext, arg: str) -> str:

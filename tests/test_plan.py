@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 
 from localchat import plan as planmod
 from localchat import profiles
 from localchat.errors import ProfileError
-from localchat.models import model_info
+from localchat.models import ModelInfo, model_info
 from tests.conftest import make_engine
 from tests.gguf_writer import llama_shape, write_gguf
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_kv_bytes_per_token_of_the_real_test_models(demo_path, gemma_path):
@@ -86,3 +90,65 @@ def test_plan_json_keys_are_stable(llama3_8b):
     assert set(d) >= {"model", "profile", "gpu", "n_ctx", "n_ctx_train", "type_k", "type_v", "layers_total",
                       "layers_gpu", "weights_gpu_bytes", "weights_cpu_bytes", "kv_bytes_per_token", "kv_bytes",
                       "compute_bytes", "total_gpu_bytes", "budget_bytes", "fits", "max_ctx"}
+
+
+@pytest.mark.parametrize("alias, kw", [("demo", {"n_ctx": 4096}), ("demo", {"n_ctx": 2048}),
+                                       ("gemma-270m", {"n_ctx": 4096}),
+                                       ("gemma-270m", {"n_ctx": 2048, "n_ubatch": 256, "n_batch": 256})])
+def test_cpu_compute_buffer_is_what_llama_cpp_reserves(demo_path, gemma_path, alias, kw):
+    path = demo_path if alias == "demo" else gemma_path
+    engine = make_engine(path, **kw)
+    try:
+        reserved = engine.buffers["compute"]["CPU"]
+        predicted = planmod.make_plan(dataclasses.replace(profiles.load("cpu"), **kw), model_info(path)).compute_bytes
+        assert abs(predicted - reserved) / reserved < 0.05, (predicted, reserved)
+    finally:
+        engine.close()
+
+
+def _h200_shape(name: str) -> ModelInfo:
+    """The random-weight GPU test models (../shared/gpu/make_model.py): LLaMA-7B and Llama-3-8B shapes."""
+    kv, ff = (32, 11008) if name == "7b-mha" else (8, 14336)
+    return ModelInfo(path=Path(name), name=name, arch="llama", n_params=0, quant="Q4_K_M", file_size=0,
+                     n_ctx_train=131072, n_layer=32, n_embd=4096, n_head_kv=(kv,) * 32, head_dim_k=128,
+                     head_dim_v=128, n_swa=0, swa_layers=(False,) * 32, has_chat_template=True, tensor_bytes=0,
+                     layer_bytes=(0,) * 32, output_bytes=0, n_vocab=49152, n_head=32, n_ff=ff)
+
+
+def test_cuda_compute_buffer_matches_what_llama_cpp_reserved_on_an_h200():
+    """Against llama.cpp's own reports in a recorded H200 run (docs/gpu/memory-calibration.jsonl): within 1%
+    where the graph allocator packs tightly, and never above the plan's compute plus its fragmentation slack."""
+    rows = [json.loads(x) for x in (ROOT / "docs" / "gpu" / "memory-calibration.jsonl").read_text().splitlines()]
+    tight = 0
+    for r in rows:
+        m = _h200_shape(r["model"])
+        p = dataclasses.replace(profiles.load("rtx3060"), type_k=r["kv"], type_v=r["kv"])
+        predicted = planmod.make_plan(p, m, n_ctx=r["n_ctx"]).compute_bytes
+        reserved = r["buffers"]["compute"]["CUDA0"]
+        assert reserved <= predicted + planmod.compute_slack(m, p), r
+        tight += abs(predicted - reserved) / reserved < 0.01
+    assert len(rows) >= 20 and tight >= len(rows) - 1
+
+
+def test_the_memory_free_on_the_card_limits_the_context_when_it_is_less_than_the_profile(llama3_8b):
+    p = profiles.load("rtx3060")
+    roomy = planmod.make_plan(p, llama3_8b, free=20 << 30)
+    assert roomy.limited_by == "profile" and roomy.fits
+    desktop_heavy = planmod.make_plan(p, llama3_8b, free=9 << 30)  # a 12 GB card with 3 GB taken by others
+    assert desktop_heavy.limited_by == "free memory" and desktop_heavy.fits
+    assert desktop_heavy.n_ctx < roomy.n_ctx
+    # what the process will hold, less its own CUDA context (already made when the free memory was read)
+    held = desktop_heavy.total_gpu_bytes - desktop_heavy.cuda_context_bytes
+    assert held <= (9 << 30) - desktop_heavy.free_margin_bytes
+    fixed = dataclasses.replace(p, n_ctx=roomy.n_ctx)
+    plan = planmod.make_plan(fixed, llama3_8b, free=9 << 30)
+    with pytest.raises(ProfileError, match=r"only 9.00 GiB is free on the card now .* largest that fits: f16"):
+        planmod.check_fits(plan, fixed)
+
+
+def test_the_gpu_total_counts_the_cuda_context_and_the_prefill_growth(llama3_8b):
+    plan = planmod.make_plan(profiles.load("rtx3060"), llama3_8b)
+    parts = plan.weights_gpu_bytes + plan.kv_gpu_bytes + plan.compute_bytes
+    assert plan.cuda_context_bytes == planmod.CUDA_CONTEXT and plan.prefill_growth_bytes == planmod.PREFILL_GROWTH
+    assert plan.total_gpu_bytes >= parts + plan.cuda_context_bytes + plan.prefill_growth_bytes
+    assert plan.total_gpu_bytes <= plan.budget_bytes
