@@ -29,6 +29,7 @@ CARDS = {p: size for p, size in {"rtx3060": 12 << 30, "rtx4060": 8 << 30}.items(
          if p in os.environ.get("PROFILES", p).split()}
 KVS = [kv for kv in ("f16", "q8_0") if kv in os.environ.get("KVS", kv).split()]
 DESKTOP = 512 * MIB  # the stand-in desktop's share of the simulated card
+HEAVY_DESKTOP = 2048 * MIB  # a desktop that takes more than the profile reserves: free memory sets n_ctx
 HOLDER = """
 import sys, time, torch
 want_free = int(sys.argv[1])
@@ -99,12 +100,12 @@ def _calibrate_one(model: str, profile_name: str, kv: str) -> dict:
             "growth_full": free_ctx - low[0], "n_ctx": engine.n_ctx}
 
 
-def _sweep_one(model: str) -> list[dict]:
+def _sweep_one(model: str, grid: tuple[int, ...] = (4096, 16384, 32768, 65536, 131072)) -> list[dict]:
     """llama.cpp's compute and output buffers over n_ctx and KV type: the weights loaded once."""
     from localchat.engine import Engine, EngineConfig, devices
     rows = []
-    for kv in ("f16", "q8_0"):
-        for n_ctx in (4096, 16384, 32768, 65536, 131072):
+    for kv in KVS:
+        for n_ctx in grid:
             before = next(d.free for d in devices() if d.kind == "gpu")
             e = Engine(EngineConfig(model, n_ctx=n_ctx, n_gpu_layers=-1, type_k=kv, type_v=kv, flash_attn=True))
             after = next(d.free for d in devices() if d.kind == "gpu")
@@ -136,8 +137,29 @@ def calibrate(models: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- card (through the CLI)
-def _holder(card: int) -> tuple[subprocess.Popen, int]:
-    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(card - DESKTOP)],
+def sweep(models: list[str]) -> None:
+    """A fine n_ctx grid: where the graph allocator packs loosely."""
+    grid = tuple(range(4096, 16385, 1280))
+    for model in models:
+        code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import gpu_memory; "
+                f"[print(json.dumps(r)) for r in gpu_memory._sweep_one({model!r}, {grid!r})]")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        sys.stdout.write(r.stdout)
+        sys.stdout.flush()
+
+
+def _claiming_128k(model: str) -> str:
+    """A copy of the model whose metadata claims a 131,072-token trained context, as Llama 3.1 does."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.ggufedit import edit_gguf
+    dst = Path(model).with_name(Path(model).stem + "-128k.gguf")
+    if not dst.exists():
+        edit_gguf(Path(model), dst, {"llama.context_length": 131072})
+    return str(dst)
+
+
+def _holder(card: int, desktop: int) -> tuple[subprocess.Popen, int]:
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(card - desktop)],
                          stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None
     return p, int(p.stdout.readline())
@@ -153,37 +175,38 @@ def _chat(args: list[str], text: str, env: dict) -> tuple[subprocess.CompletedPr
 def card(models: list[str]) -> None:
     filler = "The history of bread begins with wild grains ground on stones and baked on hot ashes. "
     message = filler * 250  # about 4,000 tokens
-    for model in models:
-        for profile, size in CARDS.items():
-            for kv in KVS:
-                holder, free = _holder(size)
-                try:
-                    baseline = smi_used()
-                    home = tempfile.mkdtemp(prefix="lc-card-")
-                    env = {**os.environ, "LOCALCHAT_HOME": home}
-                    common = ["--profile", profile, "--model", model, "--kv-type", kv]
-                    plan = json.loads(subprocess.run([sys.executable, "-m", "localchat", "plan", *common, "--json"],
-                                                     capture_output=True, text=True, env=env).stdout or "{}")
-                    args = [*common, "--session", "s", "--temperature", "0", "--max-tokens", "32",
-                            "--stats-json", f"{home}/stats.jsonl", "--verbose"]
-                    first, peak1 = _chat(args, message + "\n", env)
-                    second, peak2 = _chat(args, "And in one line?\n", env)
-                    stats = [json.loads(x) for x in Path(f"{home}/stats.jsonl").read_text().splitlines()] \
-                        if Path(f"{home}/stats.jsonl").exists() else []
-                    log = first.stderr
-                    print(json.dumps({
-                        "mode": "card", "model": Path(model).stem, "profile": profile, "kv": kv,
-                        "free_on_simulated_card": free, "baseline_used": baseline, "plan": plan,
-                        "peak_chat": peak1 - baseline, "peak_resume": peak2 - baseline,
-                        "exit": [first.returncode, second.returncode],
-                        "oom": any("out of memory" in r.stderr.lower() for r in (first, second)),
-                        "stats": stats, "buffer_lines": [x for x in log.splitlines() if "buffer size" in x],
-                        "notes": [x for x in (first.stderr + second.stderr).splitlines()
-                                  if x.startswith("localchat") or "resumed" in x][-6:]}), flush=True)
-                finally:
-                    holder.kill()
-                    holder.wait()
+    runs = [(_claiming_128k(m), p, size, kv, DESKTOP) for m in models for p, size in CARDS.items() for kv in KVS]
+    if "rtx3060" in CARDS:
+        runs.append((_claiming_128k(models[-1]), "rtx3060", CARDS["rtx3060"], "q8_0", HEAVY_DESKTOP))
+    for model, profile, size, kv, desktop in runs:
+        holder, free = _holder(size, desktop)
+        try:
+            baseline = smi_used()
+            home = tempfile.mkdtemp(prefix="lc-card-")
+            env = {**os.environ, "LOCALCHAT_HOME": home}
+            common = ["--profile", profile, "--model", model, "--kv-type", kv]
+            plan = json.loads(subprocess.run([sys.executable, "-m", "localchat", "plan", *common, "--json"],
+                                             capture_output=True, text=True, env=env).stdout or "{}")
+            args = [*common, "--session", "s", "--temperature", "0", "--max-tokens", "32",
+                    "--stats-json", f"{home}/stats.jsonl", "--verbose"]
+            first, peak1 = _chat(args, message + "\n", env)
+            second, peak2 = _chat(args, "And in one line?\n", env)
+            stats = [json.loads(x) for x in Path(f"{home}/stats.jsonl").read_text().splitlines()] \
+                if Path(f"{home}/stats.jsonl").exists() else []
+            log = first.stderr
+            print(json.dumps({
+                "mode": "card", "model": Path(model).stem, "profile": profile, "kv": kv, "desktop": desktop,
+                "free_on_simulated_card": free, "baseline_used": baseline, "plan": plan,
+                "peak_chat": peak1 - baseline, "peak_resume": peak2 - baseline,
+                "exit": [first.returncode, second.returncode],
+                "oom": any("out of memory" in r.stderr.lower() for r in (first, second)),
+                "stats": stats, "buffer_lines": [x for x in log.splitlines() if "buffer size" in x],
+                "notes": [x for x in (first.stderr + second.stderr).splitlines()
+                          if x.startswith(("localchat: ", "session "))][-6:]}), flush=True)
+        finally:
+            holder.kill()
+            holder.wait()
 
 
 if __name__ == "__main__":
-    {"calibrate": calibrate, "card": card}[sys.argv[1]](sys.argv[2:])
+    {"calibrate": calibrate, "sweep": sweep, "card": card}[sys.argv[1]](sys.argv[2:])
