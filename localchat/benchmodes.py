@@ -101,7 +101,7 @@ def _resume(rt: runtime.Runtime, ctl: SessionControl, store: SessionStore) -> di
     prefill_s = time.perf_counter() - t0
     _, reprefill_first = _first_token(engine, window, t0, greedy)
     engine.clear()
-    ctl.chat.conv = store.conversation()
+    ctl.chat.adopt(store.conversation())
     t0 = time.perf_counter()
     ctl.resume()
     resume_s = time.perf_counter() - t0

@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 
-from localchat import transcript
+from localchat import overflow, transcript
+from localchat.ahead import Ahead
 from localchat.conversation import Conversation, Message
 from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig
 from localchat.errors import ContextFullError
@@ -27,6 +29,8 @@ class ChatSettings:
     max_tokens: int = 512
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     overflow: str = "auto"  # auto: shift where the KV can shift positions, else rebuild
+    history: str = "official"  # official: the history converges to the template's form; or as-sampled
+    read_ahead: bool = True  # evaluate the message while it is typed (terminal UI)
 
 
 class ChatSession:
@@ -41,10 +45,13 @@ class ChatSession:
         self._sampler = engine.make_sampler(settings.sampling)
         self._bos = engine.special_text("bos")
         self._template_tokens: dict[tuple[str, bool], list[int]] = {}
-        # the next turn's head, evaluated after the reply: where it starts in the KV, how long it is;
-        # the turn credits only what its prefill kept, so undo, /new or an eviction need not reset it
-        self._warm_base, self._warm_n = 0, 0
         self.events: list[transcript.Record] = []  # transcript records not yet persisted, drained by the store
+        self.read_ahead = settings.read_ahead
+        self.ahead = Ahead(self)  # the work done while the user is not waiting
+
+    @property
+    def history_mode(self) -> str:
+        return self.settings.history
 
     @property
     def overflow(self) -> str:
@@ -62,9 +69,18 @@ class ChatSession:
             self._template_tokens[key] = self.engine.tokenize(text, special=True, add_bos=bos)
         return list(self._template_tokens[key])
 
+    def template_tokens(self, text: str, first: bool = False) -> list[int]:
+        """Template text as tokens (special tokens parsed); the first segment of a prompt with a BOS
+        unless the template writes it."""
+        return self._tok(text, bos=first and not (self._bos and text.startswith(self._bos)))
+
     def _prefix_tokens(self) -> list[int]:
-        before = self.fmt.first_turn(self.conv.system, "").before
-        return self._tok(before, bos=not (self._bos and before.startswith(self._bos)))
+        return self.template_tokens(self.fmt.first_turn(self.conv.system, "").before, first=True)
+
+    def head_tokens(self) -> list[int]:
+        """The next turn's head as the template's delta gives it."""
+        return self._delta("")[0]
+
 
     def _delta(self, text: str) -> tuple[list[int], list[int]]:
         """(head, body): the closing of the last reply and the user header; the words and the
@@ -72,6 +88,9 @@ class ChatSession:
         if not any(m.in_window for m in self.conv.messages):
             t = self.fmt.first_turn(self.conv.system, text)
             head: list[int] = []
+        elif self.ahead.planned and text:  # the official head, planned after the last reply
+            t = self.fmt.next_turn(self.conv.system, text)
+            head = list(self.ahead.head)
         else:
             t = self.fmt.next_turn(self.conv.system, text)
             before = t.before
@@ -81,40 +100,6 @@ class ChatSession:
                 before = before[len(self.engine.piece(last[-1], special=True).decode("utf-8", "replace")):]
             head = self._tok(before)
         return head, self._tok(t.user, special=False) + self._tok(t.after)
-
-    # ---------------------------------------------------------------- overflow
-    def _make_room(self, need: int, st: TurnStats) -> None:
-        """Take the oldest exchanges out of the window until `need` more tokens fit."""
-        e = self.engine
-        window = self.conv.window_tokens()
-        if len(window) + need <= e.n_ctx:
-            return
-        if self.overflow == "stop":
-            raise ContextFullError(
-                f"the context is full ({len(window)} of {e.n_ctx} tokens): /new starts a new chat, "
-                "a larger --ctx holds more, or set overflow: shift in the profile")
-        margin = e.n_ctx // 8
-        chosen: list[tuple[int, int, int]] = []
-        freed = 0
-        for idx, start, end in self.conv.evictable():
-            if len(window) - freed + need + margin <= e.n_ctx and chosen:
-                break
-            chosen.append((idx, start, end))
-            freed += end - start
-        if not chosen:
-            return
-        held = min(e.n_kv, len(window))  # a warmed head may follow the window
-        in_sync = e.tokens[:held] == window[:held] and held >= chosen[-1][2]
-        # a sliding-window cache holds only recent positions: after the shift, the window of the
-        # next token must fall inside the kept tail, or its oldest positions would be missing
-        window_safe = not e.n_swa or e.config.swa_full or e.n_kv - chosen[-1][2] >= e.n_swa
-        if self.overflow == "shift" and e.can_shift and in_sync and window_safe:
-            for _, start, end in reversed(chosen):
-                e.shift_out(start, end - start)
-            self._warm_base -= freed  # a warmed head moved down with the rest
-        self.conv.evict([c[0] for c in chosen], freed)
-        self.events.append(transcript.evict([c[0] for c in chosen], freed))
-        st.shifted_tokens = freed
 
     # ---------------------------------------------------------------- turns
     def turn(self, text: str, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
@@ -131,11 +116,12 @@ class ChatSession:
         if len(self.conv.prefix) + len(body) + 1 > e.n_ctx:
             raise ContextFullError(f"this message ({len(body)} tokens) does not fit in the context "
                                    f"({e.n_ctx} tokens); shorten it or raise --ctx")
-        self._make_room(len(head) + len(body) + self.settings.max_tokens, st)
+        overflow.make_room(self, len(head) + len(body) + self.settings.max_tokens, st)
         if st.shifted_tokens:
             head, body = self._delta(text)  # the head depends on whether anything is left in the window
         new_len = len(head) + len(body) + (len(self.conv.prefix) if not self.conv.messages else 0)
-        warm_base, warm_n, self._warm_n = self._warm_base, self._warm_n, 0
+        window = self.conv.window_tokens()
+        own_from, canon_left = self.ahead.at_turn(window)
         self._record(self.conv.add_user(text, head, body))
         prompt = self.conv.window_tokens()
         n_kv_before = e.n_kv
@@ -147,12 +133,10 @@ class ChatSession:
         except Cancelled:
             self._record(self.conv.add_reply("", [], cut=True))
             st.stop_reason, st.cut = "cancelled", True
+            self.ahead.end_turn()
             return self._finish(st, t0, gen)
-        # the head evaluated after the last reply belongs to this turn's work, done ahead of time
-        warmed = max(0, min(warm_n, pre.cached - warm_base))
-        st.cached_tokens, st.recomputed_tokens, st.prefill_s = pre.cached - warmed, pre.recomputed + warmed, pre.seconds
-        st.extra["idle_tokens"] = warmed
-        st.first_diff = pre.first_diff
+        self.ahead.credit(st, pre, len(window), len(head), own_from, canon_left)
+        st.prefill_s, st.first_diff = pre.seconds, pre.first_diff
         scanner = StopScanner(self.fmt.stop_strings)
         stopped = False
         for piece in e.generate(self._sampler, self.settings.max_tokens, gen, cancelled):
@@ -171,6 +155,7 @@ class ChatSession:
         self._record(self.conv.add_reply(e.detokenize([t for t in reply if not e.is_eog(t)]), reply, st.cut))
         st.reply_tokens, st.stop_reason = len(reply), gen.stop_reason
         st.miss_cause = self._miss_cause(st, pre.rewind_refused, n_kv_before)
+        self.ahead.end_turn()
         return self._finish(st, t0, gen)
 
     def _record(self, m: Message) -> None:
@@ -237,33 +222,21 @@ class ChatSession:
         self.history.append(st)
         return st
 
-    # ---------------------------------------------------------------- idle work
+    # ---------------------------------------------------------------- idle work (see Ahead)
     def warm_next_head(self) -> int:
-        """Evaluate the next turn's head (the reply's end-of-turn token, the user header) now, while
-        the user reads, so the next first token waits only for the user's words. Returns the tokens."""
-        e, msgs = self.engine, self.conv.messages
-        # a sliding-window cache could not take the head back out for a save (see drop_warm)
-        if not msgs or msgs[-1].role != "assistant" or (e.n_swa and not e.config.swa_full):
-            return 0
-        window = self.conv.window_tokens()
-        head, _ = self._delta("")
-        in_sync = len(window) - 1 <= e.n_kv <= len(window) and e.tokens[:e.n_kv] == window[:e.n_kv]
-        if not head or not in_sync or len(window) + len(head) + 1 >= e.n_ctx:
-            return 0
-        base = e.n_kv
-        e.prefill(window + head)
-        e.synchronize()  # done now, in idle time, not inside the next turn's wait for its first token
-        self._warm_base, self._warm_n = base, e.n_kv - base
-        return self._warm_n
+        """Bring the history to its official form and evaluate the next turn's head now, while the user
+        reads, so the next first token waits only for the user's words. Returns the tokens past the
+        history that were evaluated (the reply's end-of-turn token and the head)."""
+        before = max(self.engine.n_kv, self.ahead.own_from if self.ahead.planned else 0)
+        self.ahead.settle()
+        return max(0, self.engine.n_kv - max(before, self.ahead.own_from))
 
     def drop_warm(self) -> bool:
-        """Take a warmed head back out of the KV: a saved state holds the transcript's tokens only."""
-        if not self._warm_n:
-            return False
-        self._warm_n = 0
+        """Take what was evaluated past the history back out of the KV (before a save of a
+        sliding-window cache, whose restored state must hold the transcript's tokens only)."""
         window = self.conv.window_tokens()
         e = self.engine
-        if e.n_kv > len(window) and e.tokens[:len(window)] == window:
+        if e.n_kv > len(window) and e.tokens[:len(window)] == window and e.can_rewind_to(len(window)):
             e.truncate(len(window))
             return True
         return False
@@ -278,6 +251,7 @@ class ChatSession:
         keep = len(self.conv.window_tokens())
         kept = self.engine.can_rewind_to(keep)
         self.engine.truncate(keep)
+        self.ahead.invalidate()
         return kept
 
     def retry(self, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None) -> TurnStats | None:
@@ -285,15 +259,26 @@ class ChatSession:
             return None
         text = self.conv.drop_last_exchange()[0].content
         self.events.append(transcript.undo())
+        self.ahead.invalidate()
         return self.turn(text, on_text, cancelled)
 
     def new(self) -> None:
         """Start over; the KV keeps the shared system prefix for the next turn to reuse."""
-        self.conv = Conversation(system=self.conv.system)
+        self.adopt(Conversation(system=self.conv.system))
         self.history, self.events = [], []
+
+    def adopt(self, conv: Conversation) -> None:
+        """Continue `conv` (a resumed session or a new chat): its start date is the one templates print."""
+        self.conv = conv
+        self.fmt.now = datetime.fromisoformat(conv.started) if conv.started else None
+        self.ahead.invalidate()
 
     def set_system(self, text: str | None, cause: str = "system prompt changed") -> None:
         self.conv.system = text or None
+        if not self.conv.started:
+            self.conv.started = datetime.now().isoformat(timespec="seconds")
+            self.fmt.now = datetime.fromisoformat(self.conv.started)
         self.conv.prefix = self._prefix_tokens()
+        self.ahead.invalidate()
         self.pending_cause = cause
         self.events.append(transcript.system(self.conv))

@@ -33,6 +33,7 @@ class Conversation:
     prefix: list[int] = field(default_factory=list)  # system prompt and first user header
     messages: list[Message] = field(default_factory=list)
     tokens_left_window: int = 0
+    started: str = ""  # when the chat began (ISO): the date templates print stays that day's on resume
 
     @property
     def turns(self) -> int:
@@ -87,6 +88,13 @@ class Conversation:
         del self.messages[last_user:]
         return dropped
 
+    def relayout(self, prefix: list[int], layout: list[tuple[int, list[int], list[int]]]) -> None:
+        """Give messages new token layouts (message index, head, tokens): the official form of the
+        history. Their text is unchanged; only what the KV holds for them."""
+        self.prefix = list(prefix)
+        for idx, head, tokens in layout:
+            self.messages[idx].head, self.messages[idx].tokens = list(head), list(tokens)
+
     def pin_last(self) -> bool:
         """Keep the last exchange in the window when the context fills; False when there is none."""
         users = [m for m in self.messages if m.role == "user" and m.in_window]
@@ -106,4 +114,4 @@ class Conversation:
 
     def to_json(self) -> dict:
         return {"system": self.system, "prefix": self.prefix, "tokens_left_window": self.tokens_left_window,
-                "messages": [m.to_json() for m in self.messages]}
+                "started": self.started, "messages": [m.to_json() for m in self.messages]}

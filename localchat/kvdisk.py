@@ -40,10 +40,12 @@ def kv_settings(rt: Runtime) -> dict[str, Any]:
 def check_state(header: StateHeader, window: list[int], fingerprint: str | None,
                 settings: dict[str, Any] | None) -> None:
     """Every check a state passes before it is used: the model, the KV settings (where known) and
-    the transcript's tokens. Resume and `sessions verify` both call this."""
+    the transcript's tokens (the state may run past them by the next turn's head, evaluated before
+    the save). Resume and `sessions verify` both call this."""
     if fingerprint is not None or settings is not None:
         statefile.check_header(header, fingerprint or header.fingerprint, settings or {})
-    if not header.tokens or header.tokens != window[:len(header.tokens)]:
+    shared = min(len(header.tokens), len(window))
+    if not header.tokens or header.tokens[:shared] != window[:shared]:
         raise StateRejected("the state does not match the transcript")
 
 

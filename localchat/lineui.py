@@ -69,10 +69,13 @@ def run_lines(ctl: SessionControl, after_turn: Callable[[TurnStats], None],
             if out:
                 stderr.write(out.rstrip("\n") + "\n")
             continue
-        st = out
         stdout.write("\n")
         stdout.flush()
-        after_turn(st)
-        stderr.write(status.summary_line(st) + "\n")
+        try:
+            after_turn(out)  # the history's official form is rendered here: the template may fail now
+        except TemplateFailure as exc:
+            stderr.write(f"localchat: {exc}\n")
+            return 2
+        stderr.write(status.summary_line(out) + "\n")
         stderr.flush()
     return 0

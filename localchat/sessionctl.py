@@ -29,8 +29,12 @@ def auto_name() -> str:
 
 
 class SessionControl:
-    def __init__(self, rt: Runtime, store: SessionStore | None, report: Report, autosave: bool):
+    def __init__(self, rt: Runtime, store: SessionStore | None, report: Report, autosave: bool,
+                 background: bool = False):
         self.rt, self.chat, self.store, self.report = rt, rt.chat, store, report
+        # True: a scheduler calls idle_step() while the user reads and types (terminal UI);
+        # False: after_turn does the idle work at once (line mode)
+        self.background = background
         self.autosave = autosave and store is not None
         self.save_status = "off" if not self.autosave else ""
         self._failure_told = False
@@ -67,7 +71,7 @@ class SessionControl:
         """Load the transcript; restore the KV from disk or rebuild it, whichever is faster."""
         assert self.store is not None
         chat, engine = self.chat, self.rt.engine
-        chat.conv = self.store.conversation()
+        chat.adopt(self.store.conversation())
         window = chat.conv.window_tokens()
         head = f"session '{self.store.name}' resumed: {chat.conv.turns} turns, {len(window)} tokens in the window"
         if len(window) <= len(chat.conv.prefix):
@@ -93,8 +97,10 @@ class SessionControl:
 
     # ------------------------------------------------------------ turns
     def turn(self, text: str, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
-             progress: Progress | None = None) -> TurnStats:
-        started = time.perf_counter()  # a prefix loaded from disk is part of the wait for the first token
+             progress: Progress | None = None, started: float | None = None) -> TurnStats:
+        """One exchange; `started`: when the user pressed Enter (perf_counter), for the TTFT. A prefix
+        loaded from disk is part of the wait for the first token."""
+        started = time.perf_counter() if started is None else started
         cache = self.prefix_cache
         if cache is not None:
             cache.load(self.chat)
@@ -110,11 +116,30 @@ class SessionControl:
             self.kv.measured["prefill_tps"] = st.recomputed_tokens / st.prefill_s
         if self.autosave:
             self._dirty = True
-            if self.kv.save_due(time.monotonic() - self._last_save):
-                st.save_s = self.save()
-            else:
-                self._set_status("deferred")
-        self.chat.warm_next_head()  # after the copy: a saved state holds the transcript's tokens only
+        if self.background:
+            return
+        if self._save_due():
+            st.save_s = self.save()
+        self.chat.warm_next_head()
+
+    def _save_due(self) -> bool:
+        if not (self.autosave and self._dirty):
+            return False
+        if self.kv.save_due(time.monotonic() - self._last_save):
+            return True
+        self._set_status("deferred")
+        return False
+
+    def idle_step(self) -> bool:
+        """One small piece of idle work, most urgent first: the history in its official form and the
+        next head; the autosave copy; the message being typed. False when there is nothing to do."""
+        ahead = self.chat.ahead
+        if ahead.step(draft=False):
+            return True
+        if self._save_due():
+            self.save()
+            return True
+        return ahead.step(draft=True)
 
     def flush_events(self) -> None:
         if self.store is not None and self.chat.events:
@@ -135,7 +160,9 @@ class SessionControl:
         if self.store is None:
             return 0.0
         self.flush_events()
-        self.chat.drop_warm()  # a saved state holds the transcript's tokens only
+        self.chat.ahead.drop_draft()  # unsent words are never saved
+        if self.rt.engine.n_swa and not self.rt.engine.config.swa_full:
+            self.chat.drop_warm()  # a restored sliding-window state could not take the head back out
         payload, tokens, took = self.kv.copy_out()
         self._last_save, self._dirty = time.monotonic(), False
         store, kv, turns = self.store, self.kv, self.chat.conv.turns

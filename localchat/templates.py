@@ -55,8 +55,8 @@ class ChatFormat:
         self._bos, self._eos = bos_token, eos_token
         self.now: datetime | None = None  # the date templates print (strftime_now); None: today
         # the stand-in conversation is fixed, so each delta is the same every turn
-        self._first: dict[str, tuple[str, str]] = {}
-        self._next: dict[str, tuple[str, str]] = {}
+        self._first: dict[tuple[str, object], tuple[str, str]] = {}
+        self._next: dict[tuple[str, object], tuple[str, str]] = {}
         self.system_role = True  # False: the template refuses a system message; it is folded in
         self._probe()
 
@@ -85,7 +85,9 @@ class ChatFormat:
             verb = "failed to render" if exc.kind == "template" else "was refused"
             raise TemplateFailure(f"the model's chat template {verb}: {exc}", exc.kind) from None
 
-    def _system(self, system: str | None, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    def with_system(self, system: str | None, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """The messages with the system prompt in front, or folded into the first message when the
+        template has no system role (as llama.cpp and Ollama do)."""
         if not system:
             return messages
         if self.system_role:
@@ -101,18 +103,18 @@ class ChatFormat:
 
     def first_turn(self, system: str | None, user: str) -> TurnText:
         """The whole first prompt: system prompt, the user's words, the generation prompt."""
-        key = system or ""
+        key = (system or "", self.now.date() if self.now else None)
         if key not in self._first:
-            msgs = self._system(system, [{"role": "user", "content": USER_SENTINEL}])
+            msgs = self.with_system(system, [{"role": "user", "content": USER_SENTINEL}])
             self._first[key] = self._split(self.render(msgs, True), 0)
         before, after = self._first[key]
         return TurnText(before, user, after)
 
     def next_turn(self, system: str | None, user: str) -> TurnText:
         """What follows a finished reply: the reply's closing, the user's words, the generation prompt."""
-        key = system or ""
+        key = (system or "", self.now.date() if self.now else None)
         if key not in self._next:
-            msgs = self._system(system, [
+            msgs = self.with_system(system, [
                 {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": REPLY_SENTINEL},
                 {"role": "user", "content": USER_SENTINEL},

@@ -1,7 +1,8 @@
 """The transcript format, its one owner: records built, encoded, parsed, replayed, appended.
 
 A transcript is JSON Lines, one record per line, appended and fsynced as each turn completes:
-`{"t": "system"|"msg"|"evict"|"undo"|"pin", ...}`. Replaying the records in order rebuilds the
+`{"t": "system"|"msg"|"evict"|"undo"|"pin"|"canon", ...}` ("canon": the history brought to the
+official template form, new token layouts of some messages). Replaying the records in order rebuilds the
 conversation, tokens included. A crash or a full disk mid-append can leave a last line without
 its newline; before anything is appended after it, that torn tail is cut off and kept aside in
 `transcript.torn`, so the next record starts on a line of its own and nothing after it is lost.
@@ -28,7 +29,12 @@ def message(m: Message) -> Record:
 
 
 def system(conv: Conversation) -> Record:
-    return {"t": "system", "system": conv.system, "prefix": list(conv.prefix)}
+    return {"t": "system", "system": conv.system, "prefix": list(conv.prefix), "started": conv.started}
+
+
+def relayout(prefix: list[int], layout: list[tuple[int, list[int], list[int]]]) -> Record:
+    """The history brought to the official form: new token layouts of some messages."""
+    return {"t": "canon", "prefix": list(prefix), "messages": [[i, list(h), list(t)] for i, h, t in layout]}
 
 
 def evict(users: list[int], tokens: int) -> Record:
@@ -83,6 +89,12 @@ def replay(records: list[Record]) -> Conversation:
                 text = r.get("system")
                 conv.system = text if isinstance(text, str) else None
                 conv.prefix = [int(t) for t in r.get("prefix", [])]
+                started = r.get("started")
+                conv.started = started if isinstance(started, str) else conv.started
+            elif kind == "canon":
+                layout = [(int(i), [int(t) for t in h], [int(t) for t in toks]) for i, h, toks in r["messages"]]
+                if all(0 <= i < len(conv.messages) for i, _, _ in layout):
+                    conv.relayout([int(t) for t in r["prefix"]], layout)
             elif kind == "msg":
                 m = _message(r)
                 if m.role == "user":

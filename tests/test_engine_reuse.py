@@ -77,10 +77,19 @@ def test_next_turn_head_is_evaluated_after_the_reply_and_changes_no_output(demo_
     assert replies_warm == replies_plain
 
 
-def test_sliding_window_model_does_not_warm_the_next_head(gemma_engine):
-    chat = greedy_chat(gemma_engine, system="A conversation with a helpful assistant.")
-    chat.turn(QUESTIONS[0])
-    assert chat.warm_next_head() == 0  # a save could not take it back out of a sliding-window cache
+def test_sliding_window_model_warms_a_head_that_a_save_can_take_back_out(gemma_engine):
+    warm = greedy_chat(gemma_engine, system="A conversation with a helpful assistant.")
+    replies = []
+    for q in QUESTIONS[:3]:
+        st = warm.turn(q)
+        replies.append(warm.conv.messages[-1].tokens)
+        if st.turn > 1:
+            assert st.extra["idle_tokens"] > 1 and st.recomputed_tokens <= st.new_tokens + 1
+        assert warm.warm_next_head() > 1
+    window = warm.conv.window_tokens()
+    assert warm.drop_warm() and gemma_engine.tokens == window  # as a save of a sliding-window cache does
+    plain = greedy_chat(gemma_engine, system="A conversation with a helpful assistant.")
+    assert [plain.conv.messages[-1].tokens for q in QUESTIONS[:3] if plain.turn(q)] == replies
 
 
 def _greedy(engine, n=24):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import llama_cpp as lc
 
-from localchat.engine.types import Device
+from localchat.engine.types import Device, EngineConfig
 
 log = logging.getLogger("localchat.engine")
 
@@ -114,3 +114,26 @@ def cpu_has_amx() -> bool:
             return any(line.startswith("flags") and " amx_tile" in line for line in f)
     except OSError:
         return False
+
+
+def model_params(config: EngineConfig) -> lc.llama_model_params:
+    params = lc.llama_model_default_params()
+    params.n_gpu_layers = config.n_gpu_layers
+    params.use_extra_bufts = not cpu_has_amx()
+    return params
+
+
+def context_params(config: EngineConfig) -> lc.llama_context_params:
+    params = lc.llama_context_default_params()
+    params.n_ctx = config.n_ctx
+    params.n_batch = config.n_batch
+    params.n_ubatch = min(config.n_ubatch, config.n_batch)
+    params.n_seq_max = 1
+    params.n_threads = params.n_threads_batch = config.threads()
+    params.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
+                              else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    params.type_k = KV_TYPES[config.type_k]
+    params.type_v = KV_TYPES[config.type_v]
+    params.swa_full = config.swa_full
+    params.no_perf = False
+    return params

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 
 import llama_cpp as lc
 
-from localchat.engine.backend import KV_TYPES, SEQ, buffers, cpu_has_amx, init_backend, start_buffer_log
+from localchat.engine.backend import SEQ, buffers, context_params, init_backend, model_params, start_buffer_log
+from localchat.engine.sampling import make_sampler
 from localchat.engine.types import Cancelled, EngineConfig, Generation, PrefillResult, SamplingConfig
 from localchat.errors import ModelError
 
@@ -22,27 +23,12 @@ class Engine:
     def __init__(self, config: EngineConfig):
         init_backend(config.verbose)
         self.config = config
-        mparams = lc.llama_model_default_params()
-        mparams.n_gpu_layers = config.n_gpu_layers
-        mparams.use_extra_bufts = not cpu_has_amx()
         start_buffer_log()
-        self.model = lc.llama_model_load_from_file(config.model_path.encode(), mparams)
+        self.model = lc.llama_model_load_from_file(config.model_path.encode(), model_params(config))
         if not self.model:
             raise ModelError(f"llama.cpp could not load {config.model_path} (run with --verbose for its log)")
         self.vocab = lc.llama_model_get_vocab(self.model)
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = config.n_ctx
-        cparams.n_batch = config.n_batch
-        cparams.n_ubatch = min(config.n_ubatch, config.n_batch)
-        cparams.n_seq_max = 1
-        cparams.n_threads = cparams.n_threads_batch = config.threads()
-        cparams.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
-                                   else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        cparams.type_k = KV_TYPES[config.type_k]
-        cparams.type_v = KV_TYPES[config.type_v]
-        cparams.swa_full = config.swa_full
-        cparams.no_perf = False
-        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        self.ctx = lc.llama_init_from_model(self.model, context_params(config))
         # kind (model, KV, compute, output) -> buffer (CPU, CUDA0, CUDA_Host) -> bytes llama.cpp allocated
         self.buffers = buffers()
         self.kv_buffers = self.buffers.get("KV", {})
@@ -179,10 +165,7 @@ class Engine:
         t0 = time.perf_counter()
         if len(prompt) > self.n_ctx:
             raise ModelError(f"the prompt ({len(prompt)} tokens) is larger than the context ({self.n_ctx})")
-        limit = min(self.n_kv, len(prompt))
-        same = limit if self.tokens[:limit] == prompt[:limit] else 0  # the usual case, compared in C
-        while same < limit and self.tokens[same] == prompt[same]:
-            same += 1
+        same = self.common_prefix(prompt)
         first_diff = same if same < self.n_kv else -1
         keep = min(same, len(prompt) - 1)  # the last prompt token is always evaluated for its logits
         refused = keep < self.n_kv and not self.can_rewind_to(keep)
@@ -202,23 +185,39 @@ class Engine:
                 progress(pos - keep, len(prompt) - keep)
         return PrefillResult(keep, len(prompt) - keep, time.perf_counter() - t0, first_diff, refused)
 
+    def common_prefix(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` the KV already holds (evaluated, not pending)."""
+        limit = min(self.n_kv, len(tokens))
+        if self.tokens[:limit] == tokens[:limit]:  # the usual case, compared in C
+            return limit
+        same = 0
+        while same < limit and self.tokens[same] == tokens[same]:
+            same += 1
+        return same
+
+    def advance(self, target: list[int], max_tokens: int) -> tuple[int, int]:
+        """Bring the KV one batch closer to holding `target`, no logits (work done while the user is not
+        waiting): rewind to the common prefix, then evaluate at most `max_tokens` more of it.
+        Returns (tokens evaluated, tokens rewound); a rewind the sliding window forbids empties the KV."""
+        same = self.common_prefix(target)
+        rewound = self.n_kv - same
+        if rewound and not self._truncate_kv(same):
+            rewound = same + rewound  # everything was dropped
+        self.tokens = self.tokens[:self.n_kv]  # a pending sampled token is evaluated below if it belongs
+        chunk = target[self.n_kv:self.n_kv + max(0, min(max_tokens, self.config.n_batch, self.n_ctx - self.n_kv))]
+        if chunk:
+            self._decode(chunk, self.n_kv, want_logits=False)
+            self.synchronize()  # done within this step, and booked in llama.cpp's counters now
+            self.tokens.extend(chunk)
+            self.n_kv += len(chunk)
+        return len(chunk), rewound
+
     def synchronize(self) -> None:
         """Wait for queued evaluation to finish (llama.cpp also books its perf counters here)."""
         lc.llama_synchronize(self.ctx)
 
-    def make_sampler(self, s: SamplingConfig):
-        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
-        if s.repeat_penalty != 1.0:
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(64, s.repeat_penalty, 0.0, 0.0))
-        if s.temperature <= 0:
-            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
-            return chain
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(s.top_k))
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(s.top_p, 1))
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(s.min_p, 1))
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(s.temperature))
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(s.seed))
-        return chain
+    def make_sampler(self, s: SamplingConfig) -> object:
+        return make_sampler(s)
 
     def generate(self, sampler, max_tokens: int, gen: Generation,
                  cancelled: Callable[[], bool] | None = None) -> Iterator[str]:
