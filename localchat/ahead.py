@@ -59,6 +59,7 @@ class Ahead:
         self.discarded = 0  # read-ahead tokens evaluated, then thrown away by edits, since the last turn
         self.tokens_per_s = 200.0  # idle evaluation speed, measured: sets the batch size
         self.failed = ""  # why the official form could not be laid out (told once)
+        self.relayouts = 0  # how often the history took a new form: a state saved before is stale
 
     # ------------------------------------------------------------ state
     def invalidate(self) -> None:
@@ -114,9 +115,15 @@ class Ahead:
         changed = [(i, head, tokens) for n, ((i, m), (head, tokens)) in enumerate(zip(window, lay.messages))
                    if (m.head if n else []) != head or m.tokens != tokens]
         if changed or lay.prefix != chat.conv.prefix:
+            for i, _, _ in changed:  # what the model wrote stays, in full, beside the tokens the KV keeps
+                m = chat.conv.messages[i]
+                if m.role == "assistant" and not m.raw:
+                    m.raw = official.reply_text(chat.engine, m)
+            raws = {i: chat.conv.messages[i].raw for i, _, _ in changed}
             chat.conv.relayout(lay.prefix, changed)
-            chat.events.append(transcript.relayout(lay.prefix, changed))
+            chat.events.append(transcript.relayout(lay.prefix, changed, raws))
             self.relayouted = True
+            self.relayouts += 1
         return lay.head
 
     def shifted(self, freed: int) -> None:

@@ -23,7 +23,12 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     try:
         if rt.gpu_warning:
             _report(f"localchat: warning: {rt.gpu_warning}")
-        ctl = sessionctl.SessionControl.open(rt, args, _report)
+        if rt.chat.conv.system and not rt.chat.fmt.system_role:
+            _report("localchat: this model's template has no system role: the system prompt goes into the "
+                    "first user message (as llama.cpp and Ollama do)")
+        interactive = sys.stdin.isatty() and sys.stdout.isatty()
+        # the terminal UI works ahead while the user reads and types; line mode has no such time
+        ctl = sessionctl.SessionControl.open(rt, args, _report, background=interactive)
         stats_file = open(args.stats_json, "a", encoding="utf-8") if args.stats_json else None
 
         def after_turn(st: TurnStats) -> None:
@@ -34,7 +39,7 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
         code = 0
         try:
-            if sys.stdin.isatty() and sys.stdout.isatty():
+            if interactive:
                 from localchat import repl
                 repl.run(ctl, after_turn)
             else:

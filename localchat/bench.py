@@ -170,7 +170,16 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--repeat", type=int, default=None, metavar="N",
                    help="run the last turn N more times, the modes interleaved; ratios use medians "
                         "(default 4, --quick 0)")
+    p.add_argument("--typing", action="store_true", help="TTFT of typed and pasted messages, read-ahead on and off")
+    p.add_argument("--cps", type=float, default=6.0, help="typing speed for --typing, characters a second")
+    p.add_argument("--paste-tokens", type=int, default=2000)
+    p.add_argument("--reasoning", action="store_true",
+                   help="the official form's work for a reply with thoughts, and the next turn's TTFT")
+    p.add_argument("--reasoning-tokens", type=int, default=400)
+    p.add_argument("--answer-tokens", type=int, default=100)
     args = p.parse_args(argv)
+    if args.typing or args.reasoning:
+        return _idle_benches(args)
     if args.quick:
         args.turns, args.system_tokens, args.user_tokens, args.reply_tokens = 6, 256, 100, 32
     if args.repeat is None:
@@ -205,6 +214,30 @@ def main(argv: Sequence[str]) -> int:
     sys.stdout.flush()
     if args.plot:
         _plot(result, args.plot)
+    return 0
+
+
+def _idle_benches(args: argparse.Namespace) -> int:
+    """--typing and --reasoning (benchidle): one KV type, the profile's; JSON to --json and stdout."""
+    from localchat import benchidle
+    o = overrides(args)
+    o["temperature"], o["max_tokens"] = 0.0, args.reply_tokens
+    if args.typing and not o.get("n_ctx"):
+        o["n_ctx"] = 8192  # the history, a 2,000-token paste and the reply
+    profile = runtime.load_profile(args.profile, o)
+    if args.repeat is None:
+        args.repeat = 3
+    result: dict[str, Any] = {"versions": {"llama_cpp_python": llama_version()}, "model": profile.model}
+    with tempfile.TemporaryDirectory(prefix="localchat-bench-") as tmp:
+        os.environ["LOCALCHAT_HOME"] = tmp
+        if args.typing:
+            result["typing"] = benchidle.run_typing(profile, args, _report)
+        if args.reasoning:
+            result["reasoning"] = benchidle.run_reasoning(profile, args, _report)
+    sys.stderr.write("\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    sys.stdout.write(json.dumps({k: v for k, v in result.items()}, indent=1, default=str)[:20000] + "\n")
     return 0
 
 

@@ -35,6 +35,11 @@ def chat_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-autosave", action="store_true", help="save only on /save")
     p.add_argument("--no-session", action="store_true", help="keep nothing on disk")
     p.add_argument("--overflow", choices=("auto", "shift", "rebuild", "stop"), help="when the context fills")
+    p.add_argument("--history", choices=("official", "as-sampled"),
+                   help="official (default): earlier turns converge to the chat template's own form while you "
+                        "read; as-sampled: kept as the model wrote them")
+    p.add_argument("--no-read-ahead", dest="read_ahead", action="store_false", default=None,
+                   help="do not evaluate the message while it is typed")
     return p
 
 

@@ -20,11 +20,13 @@ class Message:
     cut: bool = False  # a reply stopped early (Ctrl-C, end of context)
     in_window: bool = True  # False once its tokens have left the context window
     pinned: bool = False  # never leaves the window
+    raw: str = ""  # a reply as sampled, special tokens written out (its thoughts, channels); templates get this
 
     def to_json(self) -> dict:
         # by hand: dataclasses.asdict deep-copies every token, a millisecond on the turn's critical path
-        return {"role": self.role, "content": self.content, "tokens": list(self.tokens), "head": list(self.head),
-                "cut": self.cut, "in_window": self.in_window, "pinned": self.pinned}
+        d = {"role": self.role, "content": self.content, "tokens": list(self.tokens), "head": list(self.head),
+             "cut": self.cut, "in_window": self.in_window, "pinned": self.pinned}
+        return {**d, "raw": self.raw} if self.raw else d
 
 
 @dataclass
@@ -76,8 +78,8 @@ class Conversation:
         self.messages.append(m)
         return m
 
-    def add_reply(self, text: str, tokens: list[int], cut: bool) -> Message:
-        m = Message("assistant", text, tokens=list(tokens), cut=cut)
+    def add_reply(self, text: str, tokens: list[int], cut: bool, raw: str = "") -> Message:
+        m = Message("assistant", text, tokens=list(tokens), cut=cut, raw=raw)
         self.messages.append(m)
         return m
 

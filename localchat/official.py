@@ -49,10 +49,15 @@ def raw_reply(vocab: Vocab, tokens: list[int]) -> str:
     return b"".join(vocab.piece(t, special=True) for t in body).decode("utf-8", errors="replace")
 
 
+def reply_text(vocab: Vocab, m: Message) -> str:
+    """What the model wrote, as sampled: kept apart from the tokens, which the official form may cut."""
+    return m.raw or raw_reply(vocab, m.tokens)
+
+
 def template_messages(fmt: ChatFormat, vocab: Vocab, messages: list[Message]) -> list[dict[str, str]]:
     style = reasoning.detect(fmt.source)
     return [{"role": "user", "content": m.content} if m.role == "user"
-            else reasoning.template_message(style, raw_reply(vocab, m.tokens)) for m in messages]
+            else reasoning.template_message(style, reply_text(vocab, m)) for m in messages]
 
 
 def official_prefix(fmt: ChatFormat, vocab: Vocab, conv: Conversation) -> str | None:
@@ -95,7 +100,7 @@ def layout(fmt: ChatFormat, vocab: Vocab, conv: Conversation, template_tokens: C
     # the text cut into template text and contents: T0 C0 T1 C1 ... Cn-1 Tn
     cursor, templates, contents = 0, [], []
     for m in window:
-        candidates = [m.content] if m.role == "user" else reasoning.answer_candidates(style, raw_reply(vocab, m.tokens))
+        candidates = [m.content] if m.role == "user" else reasoning.answer_candidates(style, reply_text(vocab, m))
         found = next(((c, at) for c in candidates if (at := text.find(c, cursor)) >= 0), None)
         if found is None:
             return None

@@ -15,6 +15,7 @@ from localchat.errors import ProfileError
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
 OVERFLOW = ("auto", "shift", "rebuild", "stop")
+HISTORY = ("official", "as-sampled")
 MAX_PROFILE_BYTES = 256 * 1024
 QUANTIZED = ("q8_0", "q4_0")
 
@@ -47,6 +48,8 @@ class Profile:
     overflow: str = "auto"
     autosave: bool = True
     max_kv_disk_gb: float = 10.0
+    read_ahead: bool = True  # terminal UI: evaluate the message while it is typed
+    history: str = "official"  # official: the history converges to the template's form; as-sampled
 
     @property
     def offloads(self) -> bool:
@@ -81,6 +84,8 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "overflow": ((str,), lambda v: v in OVERFLOW, "one of " + ", ".join(OVERFLOW)),
     "autosave": ((bool,), lambda v: True, "true or false"),
     "max_kv_disk_gb": (_NUM, lambda v: 0 <= v <= 1 << 20, "a number of GB, 0 or more"),
+    "read_ahead": ((bool,), lambda v: True, "true or false"),
+    "history": ((str,), lambda v: v in HISTORY, "one of " + ", ".join(HISTORY)),
 }
 # the settings a profile file or a command-line option can set: every field but where it came from
 SETTING_KEYS = tuple(f.name for f in fields(Profile) if f.name not in ("name", "source"))

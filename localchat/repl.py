@@ -1,8 +1,10 @@
 """The terminal UI: prompt_toolkit input with history, a live status bar, streamed replies.
 
-A reply is generated in a worker thread (llama.cpp releases the GIL) while a small
-application shows the reply as it grows, a type-ahead line and the status bar; when the
-reply ends it is printed into the scrollback and the prompt comes back.
+The engine belongs to the scheduler's thread (llama.cpp releases the GIL): turns and commands
+are handed to it, and while the user reads and types it works ahead (the history's official
+form, the next head, the message being typed, which it follows keystroke by keystroke). During
+a reply a small application shows the reply as it grows, a type-ahead line and the status bar;
+when the reply ends it is printed into the scrollback and the prompt comes back.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from prompt_toolkit.styles import Style
 
 from localchat import slash, status
 from localchat.errors import LocalchatError
+from localchat.scheduler import Scheduler
 from localchat.sessionctl import SessionControl
 from localchat.stats import TurnStats
 
@@ -80,7 +83,12 @@ class Repl:
         self.cancel = threading.Event()
         self._app: Application | None = None
         self._drawn = 0.0
+        self.scheduler = Scheduler(ctl)
         self.session: PromptSession = self._prompt_session()
+        self.session.default_buffer.on_text_changed += self._draft_changed
+
+    def _draft_changed(self, buffer: Buffer) -> None:
+        self.scheduler.set_draft(buffer.text)
 
     # ------------------------------------------------------------ pieces
     def _invalidate(self) -> None:
@@ -92,6 +100,7 @@ class Repl:
 
     def _toolbar(self) -> FormattedText:
         self.bar.autosave = self.ctl.save_status  # set by the writer thread; shown at the next redraw
+        self.bar.read_ahead = self.ctl.chat.ahead.read_ahead
         return FormattedText(status.toolbar(self.bar))
 
     def _prompt_session(self) -> PromptSession:
@@ -121,7 +130,8 @@ class Repl:
     async def _run_turn(self, job: Callable[[Callable[[str], None], Callable[[], bool], Callable[[int, int], None]],
                                             TurnStats | str | None],
                         typeahead: Buffer) -> TurnStats | str | None:
-        """Run job in a worker thread under a live view; Ctrl-C stops it and keeps what came."""
+        """Run job on the engine's thread under a live view, then after_turn there for a reply it made;
+        Ctrl-C stops it and keeps what came."""
         self.reply, self.bar.phase, self.bar.live_tokens = "", "prefill", 0
         self.cancel.clear()
         kb = KeyBindings()
@@ -155,22 +165,19 @@ class Repl:
                                        output=self.output, erase_when_done=True, min_redraw_interval=REDRAW_INTERVAL)
         self._app = app
         loop = asyncio.get_running_loop()
-        result: dict = {}
 
-        def work() -> None:
-            try:
-                result["value"] = job(emit, self.cancel.is_set, progress)
-            except BaseException as exc:  # handed to the UI thread
-                result["error"] = exc
-            finally:
-                loop.call_soon_threadsafe(lambda: app.exit() if app.is_running else None)
+        def work() -> TurnStats | str | None:
+            out = job(emit, self.cancel.is_set, progress)
+            if isinstance(out, TurnStats):
+                self.after_turn(out)  # the transcript, before any idle work changes the KV
+            return out
 
-        threading.Thread(target=work, name="localchat-turn", daemon=True).start()
-        await app.run_async()
+        typeahead.on_text_changed += self._draft_changed
+        future = self.scheduler.call(work, draft=typeahead.text)
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(lambda: app.exit() if app.is_running else None))
+        await app.run_async(pre_run=lambda: app.exit() if future.done() else None)
         self._app, self.bar.phase, self.bar.notice = None, "", ""
-        if "error" in result:
-            raise result["error"]
-        return result.get("value")
+        return future.result()
 
     def _show_reply(self, st: TurnStats | None) -> None:
         self.print(self.reply)
@@ -179,7 +186,6 @@ class Repl:
 
     def _finish_turn(self, st: TurnStats) -> None:
         self._show_reply(st)
-        self.after_turn(st)
         self.bar.last, self.bar.ctx_used = st, st.ctx_used
 
     # ------------------------------------------------------------ the loop
@@ -187,6 +193,7 @@ class Repl:
         self.print(f"localchat: {self.ctl.rt.model.name} | /help for commands, Ctrl-D to quit", "class:info")
         pending = ""
         while True:
+            self.scheduler.set_draft(pending)  # the prompt starts with what was typed during the reply
             try:
                 line = await self.session.prompt_async(FormattedText([("class:prompt", "> ")]), default=pending)
             except EOFError:
@@ -194,6 +201,7 @@ class Repl:
             except KeyboardInterrupt:
                 pending = ""
                 continue
+            entered = time.perf_counter()  # the TTFT runs from Enter, a batch of idle work in flight included
             pending = ""
             if not line.strip():
                 continue
@@ -204,7 +212,10 @@ class Repl:
                     if out:
                         self.print(out, "class:info")
                 else:
-                    st = await self._run_turn(functools.partial(self.ctl.turn, line), typeahead)
+                    error = self.scheduler.take_error()
+                    if error is not None:  # the idle work met it (the template failed): this turn ends with it
+                        raise error
+                    st = await self._run_turn(functools.partial(self.ctl.turn, line, started=entered), typeahead)
                     if isinstance(st, TurnStats):
                         self._finish_turn(st)
             except slash.Quit:
@@ -212,6 +223,7 @@ class Repl:
             except LocalchatError as exc:
                 self.print(f"localchat: {exc}", "class:cut")
             pending = typeahead.text
+        self.scheduler.close()
         self.print("saving...", "class:info")
 
     async def _command(self, line: str, typeahead: Buffer) -> str:
@@ -220,7 +232,8 @@ class Repl:
             out = await self._run_turn(lambda emit, cancelled, progress: slash.dispatch(
                 slash.CommandContext(self.ctl, emit, cancelled), line), typeahead)
         else:
-            out = slash.dispatch(slash.CommandContext(self.ctl, self.print, self.cancel.is_set), line)
+            out = await asyncio.wrap_future(self.scheduler.call(lambda: slash.dispatch(
+                slash.CommandContext(self.ctl, self.print, self.cancel.is_set), line), draft=""))
         if isinstance(out, TurnStats):
             self._finish_turn(out)
             return ""
@@ -231,3 +244,4 @@ class Repl:
 
 def run(ctl: SessionControl, after_turn: AfterTurn, input: Input | None = None, output: Output | None = None) -> None:
     asyncio.run(Repl(ctl, after_turn, input, output).run_async())
+

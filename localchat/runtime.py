@@ -92,7 +92,7 @@ def chat_settings(profile: Profile) -> ChatSettings:
     sampling = SamplingConfig(temperature=profile.temperature, top_k=profile.top_k, top_p=profile.top_p,
                               min_p=profile.min_p, repeat_penalty=profile.repeat_penalty, seed=seed)
     return ChatSettings(system=profile.system, max_tokens=profile.max_tokens, sampling=sampling,
-                        overflow=profile.overflow)
+                        overflow=profile.overflow, history=profile.history, read_ahead=profile.read_ahead)
 
 
 def chat_format(engine: Engine) -> ChatFormat:

@@ -40,6 +40,7 @@ class SessionControl:
         self._failure_told = False
         self._last_save = time.monotonic()
         self._dirty = False  # turns whose KV is not on disk yet
+        self._saved_relayouts = 0  # the history's official-form changes the saved state holds
         self.writer = BackgroundWriter(self._set_status)
         self.kv = KVDisk(rt, ModelHasher(rt.model.path, start=store is not None))
         self.prefix_cache = PrefixCache(self.kv, self.writer) if store is not None else None
@@ -47,9 +48,9 @@ class SessionControl:
 
     # ------------------------------------------------------------ opening
     @classmethod
-    def open(cls, rt: Runtime, args: argparse.Namespace, report: Report) -> SessionControl:
+    def open(cls, rt: Runtime, args: argparse.Namespace, report: Report, background: bool = False) -> SessionControl:
         if getattr(args, "no_session", False):
-            return cls(rt, None, report, autosave=False)
+            return cls(rt, None, report, autosave=False, background=background)
         name = getattr(args, "session", None)
         if getattr(args, "resume_last", False):
             recent = list_sessions()
@@ -60,7 +61,7 @@ class SessionControl:
         store.lock()
         if store.read_only:
             report(f"localchat: session '{store.name}' is on a read-only file system; the chat goes on unsaved")
-        ctl = cls(rt, store, report, autosave=rt.profile.autosave)
+        ctl = cls(rt, store, report, autosave=rt.profile.autosave, background=background)
         if store.transcript.exists():
             ctl.resume()
         else:
@@ -118,12 +119,17 @@ class SessionControl:
             self._dirty = True
         if self.background:
             return
+        self.chat.warm_next_head()  # the official form first: the saved state then holds it, and the head
         if self._save_due():
             st.save_s = self.save()
-        self.chat.warm_next_head()
+
+    @property
+    def dirty(self) -> bool:
+        """Turns, or a new form of the history, that the state on disk does not hold yet."""
+        return self._dirty or self.chat.ahead.relayouts != self._saved_relayouts
 
     def _save_due(self) -> bool:
-        if not (self.autosave and self._dirty):
+        if not (self.autosave and self.dirty):
             return False
         if self.kv.save_due(time.monotonic() - self._last_save):
             return True
@@ -165,6 +171,7 @@ class SessionControl:
             self.chat.drop_warm()  # a restored sliding-window state could not take the head back out
         payload, tokens, took = self.kv.copy_out()
         self._last_save, self._dirty = time.monotonic(), False
+        self._saved_relayouts = self.chat.ahead.relayouts
         store, kv, turns = self.store, self.kv, self.chat.conv.turns
 
         def job() -> None:
@@ -186,7 +193,7 @@ class SessionControl:
     # ------------------------------------------------------------ switching sessions
     def _take(self, store: SessionStore) -> None:
         """Make `store` the current session, holding its lock; the old one stays as it is on disk."""
-        if self._dirty:
+        if self.autosave and self.dirty:
             self.save()
         self.flush_events()
         self.writer.wait()
@@ -217,7 +224,7 @@ class SessionControl:
 
     def close(self) -> None:
         self.flush_events()
-        if self._dirty:
+        if self.autosave and self.dirty:
             self.save()  # the deferred KV goes to disk on the way out
         if not self.writer.wait(timeout=120):
             self.report("localchat: autosave still running at exit; the previous save is kept")

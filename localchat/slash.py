@@ -100,14 +100,16 @@ def _stats(ctx: CommandContext, arg: str) -> str:
     hist = ctx.ctl.chat.history
     if not hist:
         return "no turns yet"
-    lines = [" turn  prompt  cached  recomp   new  reply   TTFT s   tok/s  shifted  note"]
+    lines = [" turn  prompt  cached  recomp   new  reply   TTFT s   tok/s  shifted  ahead  wasted  canon  note"]
     for st in hist:
         note = st.miss_cause + (f" (first difference at token {st.first_diff})" if st.cache_miss and
                                 st.first_diff >= 0 else "")
         note = note or ("KV restored" if st.kv_restored else "")
+        x = st.extra
         lines.append(f" {st.turn:>4} {st.prompt_tokens:>7} {st.cached_tokens:>7} {st.recomputed_tokens:>7} "
                      f"{st.new_tokens:>5} {st.reply_tokens:>6} {st.ttft_s:>8.3f} {st.decode_tps:>7.1f} "
-                     f"{st.shifted_tokens:>8}  {note}")
+                     f"{st.shifted_tokens:>8} {x.get('read_ahead_tokens', 0):>6} "
+                     f"{x.get('discarded_ahead_tokens', 0):>7} {x.get('canonicalized_tokens', 0):>6}  {note}")
     conv = ctx.ctl.chat.conv
     lines.append(f" window: {conv.turns - conv.turns_left_window} of {conv.turns} turns; "
                  f"{conv.turns_left_window} turns ({conv.tokens_left_window} tokens) left the window")

@@ -27,6 +27,7 @@ class BarState:
     live_tokens: int = 0  # tokens generated so far in this reply
     autosave: str = ""  # saved, saving, failed: <why>, off
     notice: str = ""
+    read_ahead: int = 0  # tokens of the message being typed already in the KV
 
 
 def _mib(n: float) -> str:
@@ -67,6 +68,8 @@ def toolbar(s: BarState) -> Fragments:
         if st.shifted_tokens or st.turns_left_window:
             frags.append(("class:bar.warn", f"| {st.turns_left_window} turns ({st.tokens_left_window} tok) "
                                             "left the window "))
+    if s.read_ahead and not s.phase:
+        frags.append(("class:bar.busy", f"| read ahead {s.read_ahead} "))
     frags += [
         ("class:bar", f"| ctx {s.ctx_used}/{s.n_ctx} ({pct:.0f}%) "),
         ("class:bar", f"| KV {s.kv_type} {_mib(s.ctx_used * s.kv_bytes_per_token)} "),

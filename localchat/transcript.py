@@ -32,9 +32,11 @@ def system(conv: Conversation) -> Record:
     return {"t": "system", "system": conv.system, "prefix": list(conv.prefix), "started": conv.started}
 
 
-def relayout(prefix: list[int], layout: list[tuple[int, list[int], list[int]]]) -> Record:
-    """The history brought to the official form: new token layouts of some messages."""
-    return {"t": "canon", "prefix": list(prefix), "messages": [[i, list(h), list(t)] for i, h, t in layout]}
+def relayout(prefix: list[int], layout: list[tuple[int, list[int], list[int]]], raws: dict[int, str]) -> Record:
+    """The history brought to the official form: new token layouts of some messages, and the replies'
+    text as sampled where the KV keeps less of it."""
+    return {"t": "canon", "prefix": list(prefix), "messages": [[i, list(h), list(t)] for i, h, t in layout],
+            "raw": {str(i): raw for i, raw in raws.items() if raw}}
 
 
 def evict(users: list[int], tokens: int) -> Record:
@@ -76,7 +78,8 @@ def _message(r: Record) -> Message:
         raise ValueError("not a message")
     ints = lambda v: [int(t) for t in (v or [])]  # noqa: E731
     return Message(role=r["role"], content=r["content"], tokens=ints(r.get("tokens")), head=ints(r.get("head")),
-                   cut=bool(r.get("cut")), in_window=bool(r.get("in_window", True)), pinned=bool(r.get("pinned")))
+                   cut=bool(r.get("cut")), in_window=bool(r.get("in_window", True)), pinned=bool(r.get("pinned")),
+                   raw=r["raw"] if isinstance(r.get("raw"), str) else "")
 
 
 def replay(records: list[Record]) -> Conversation:
@@ -95,6 +98,9 @@ def replay(records: list[Record]) -> Conversation:
                 layout = [(int(i), [int(t) for t in h], [int(t) for t in toks]) for i, h, toks in r["messages"]]
                 if all(0 <= i < len(conv.messages) for i, _, _ in layout):
                     conv.relayout([int(t) for t in r["prefix"]], layout)
+                    for i, raw in dict(r.get("raw") or {}).items():
+                        if isinstance(raw, str) and 0 <= int(i) < len(conv.messages):
+                            conv.messages[int(i)].raw = raw
             elif kind == "msg":
                 m = _message(r)
                 if m.role == "user":

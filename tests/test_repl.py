@@ -25,7 +25,7 @@ class Harness:
         self.rt = runtime.open_runtime(profile, lambda t: None)
         store = SessionStore(session)
         store.lock()
-        self.ctl = SessionControl(self.rt, store, lambda t: None, autosave=True)
+        self.ctl = SessionControl(self.rt, store, lambda t: None, autosave=True, background=True)
         self.stats: list[dict] = []
         self.printed: list[str] = []
         self._pipe = create_pipe_input()
@@ -63,6 +63,10 @@ class Harness:
         self.wait(lambda: len(self.printed) > n and self.repl.session.app.is_running)
         return "\n".join(self.printed[n:])
 
+    def settle(self) -> None:
+        """Wait for the work done ahead of the next turn (the next head, the draft) to finish."""
+        assert self.repl.scheduler.wait_quiet(60)
+
     def close(self) -> None:
         self.wait(lambda: self.repl.session.app.is_running)
         self.type(CTRL_D)
@@ -92,6 +96,7 @@ def test_status_bar_shows_the_same_numbers_as_stats_json(ui):
 
 def test_unknown_command_gets_a_hint_and_reaches_no_model(ui):
     ui.say("Hello there")
+    ui.settle()
     before = list(ui.rt.engine.tokens)
     out = ui.command("/stast")
     assert "unknown command /stast; did you mean /stats?" in out
@@ -113,6 +118,7 @@ def test_help_stats_cache_profile_sessions_system(ui):
 
 def test_undo_rewinds_the_kv_without_recomputing(ui):
     ui.say("Hello there")
+    ui.settle()
     keep = ui.ctl.chat.conv.window_tokens()
     assert ui.rt.engine.tokens[:len(keep)] == keep  # and after it, the next head evaluated ahead
     ui.say("Tell me a fact")
@@ -205,3 +211,78 @@ def test_bracketed_paste_keeps_newlines_in_one_message(ui):
     ui.type("\x1b[200~first pasted line\nsecond pasted line\x1b[201~" + ENTER)
     ui.wait(lambda: len(ui.stats) > n)
     assert ui.ctl.chat.conv.messages[0].content == "first pasted line\nsecond pasted line"
+
+
+# ---------------------------------------------------------------- read-ahead
+LEFT, END, BACKSPACE, UP, CTRL_U = "\x1b[D", "\x1b[F", "\x7f", "\x1b[A", "\x15"
+PASTE = "\x1b[200~{}\x1b[201~"
+MESSAGE = "Tell me about the old bakeries of Paris and the bread they made every morning"
+
+
+def type_slowly(h: Harness, text: str) -> None:
+    """Keystrokes at a typist's pace, escape sequences whole, the engine reading ahead meanwhile."""
+    import re
+    for key in re.findall(r"\x1b\[[0-9;]*[A-Za-z~]|.", text, re.S):
+        h.type(key)
+        time.sleep(0.01)
+    time.sleep(0.2)
+    h.settle()
+
+
+EDITS = {  # each ends with the same message in the input line
+    "plain": [MESSAGE],
+    "backspace": [MESSAGE + " breadd", BACKSPACE * 7],
+    "cursor move and insert": [MESSAGE.replace(" old", ""), LEFT * len(" bakeries of Paris and the bread they made every "
+                                                                   "morning"), " old", END],
+    "paste that replaces the line": ["Something else entirely, typed first", CTRL_U, PASTE.format(MESSAGE)],
+    "ctrl-c clears the line": ["A question I change my mind about", CTRL_C, MESSAGE],
+    "history recall": [UP, UP],  # past "/undo" to the message before it: the same words at once
+}
+
+
+def _run(home, session: str, read_ahead: bool, edit: str) -> tuple[list[int], list[int], dict]:
+    h = Harness(home, session=session)
+    try:
+        h.ctl.chat.read_ahead = read_ahead
+        h.say("Hello there")
+        if edit == "history recall":
+            h.say(MESSAGE)
+            h.wait(lambda: h.repl.session.app.is_running)
+            h.type("/undo" + ENTER)
+            h.wait(lambda: len(h.ctl.chat.conv.messages) == 2 and h.repl.session.app.is_running)
+        h.settle()
+        for part in EDITS[edit]:
+            type_slowly(h, part)
+        n = len(h.stats)
+        h.type(ENTER)
+        h.wait(lambda: len(h.stats) > n)
+        st = h.stats[-1]
+        h.settle()
+        return list(h.rt.engine.tokens[:h.rt.engine.n_kv]), h.ctl.chat.conv.messages[-1].tokens, st
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_read_ahead_changes_when_tokens_are_evaluated_never_which(home, demo_path, edit):
+    kv_on, reply_on, st_on = _run(home, f"on-{len(edit)}", True, edit)
+    kv_off, reply_off, st_off = _run(home, f"off-{len(edit)}", False, edit)
+    assert kv_on == kv_off and reply_on == reply_off  # the KV after the reply, and the greedy reply
+    assert st_on["read_ahead_tokens"] > 5 and st_off["read_ahead_tokens"] == 0
+    assert st_on["recomputed_tokens"] == st_off["recomputed_tokens"] <= st_on["new_tokens"] + 1
+    assert st_on["llama_prompt_eval"] < st_off["llama_prompt_eval"]  # less evaluated after Enter
+    if edit in ("backspace", "cursor move and insert", "paste that replaces the line", "ctrl-c clears the line"):
+        assert st_on["discarded_ahead_tokens"] > 0  # what the edit threw away is counted
+
+
+def test_status_bar_and_stats_show_the_tokens_read_ahead(ui):
+    ui.say("Hello there")
+    ui.settle()
+    type_slowly(ui, MESSAGE)
+    ui.repl._toolbar()  # what the next redraw shows
+    ahead = ui.ctl.chat.ahead.read_ahead
+    assert ahead > 5 and f"read ahead {ahead}" in status.toolbar_text(ui.repl.bar)
+    st = ui.say("")
+    assert st["read_ahead_tokens"] > 5 and "discarded_ahead_tokens" in st
+    table = ui.command("/stats")
+    assert " ahead " in table.splitlines()[0] and f" {st['read_ahead_tokens']} " in table.splitlines()[-2]

@@ -203,13 +203,13 @@ class Engine:
         rewound = self.n_kv - same
         if rewound and not self._truncate_kv(same):
             rewound = same + rewound  # everything was dropped
-        self.tokens = self.tokens[:self.n_kv]  # a pending sampled token is evaluated below if it belongs
         chunk = target[self.n_kv:self.n_kv + max(0, min(max_tokens, self.config.n_batch, self.n_ctx - self.n_kv))]
         if chunk:
             self._decode(chunk, self.n_kv, want_logits=False)
             self.synchronize()  # done within this step, and booked in llama.cpp's counters now
-            self.tokens.extend(chunk)
-            self.n_kv += len(chunk)
+        # one assignment: a pending sampled token is replaced by what was evaluated in its place
+        self.tokens[self.n_kv:] = chunk
+        self.n_kv += len(chunk)
         return len(chunk), rewound
 
     def synchronize(self) -> None:

@@ -46,16 +46,16 @@ HOSTILE: dict[str, tuple[str | bytes, str]] = {  # name: (template, what the ref
 _PEAK = """
 import json, resource, subprocess, sys, time
 t0 = time.monotonic()
-r = subprocess.run(sys.argv[1:], input=b"Hello there\\n", capture_output=True)
+r = subprocess.run(sys.argv[2:], input=sys.argv[1].encode(), capture_output=True)
 took = time.monotonic() - t0
 print(json.dumps([r.returncode, r.stderr.decode(errors="replace"), took,
                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024]))
 """
 
 
-def run_measured(args: list[str], env: dict[str, str]) -> tuple[int, str, float, float]:
+def run_measured(args: list[str], env: dict[str, str], stdin: str = "Hello there\n") -> tuple[int, str, float, float]:
     """(exit code, stderr, seconds, peak resident MB of the localchat process and its children)."""
-    out = subprocess.run([sys.executable, "-c", _PEAK, sys.executable, "-m", "localchat", *args],
+    out = subprocess.run([sys.executable, "-c", _PEAK, stdin, sys.executable, "-m", "localchat", *args],
                          capture_output=True, text=True, env={**os.environ, **env}, timeout=120)
     code, err, took, peak = json.loads(out.stdout)
     return code, err, took, peak
@@ -95,3 +95,23 @@ def test_models_listing_marks_a_refused_template(home, copies, tmp_path, tally):
         tally.case(HOSTILE[name][1] in row.get("template_refused", ""))
         assert HOSTILE[name][1] in row["template_refused"], row
     assert time.monotonic() - t0 < 3 * TIME_BOUND_S
+
+
+def test_a_template_that_turns_hostile_mid_chat_ends_it_with_exit_2_and_keeps_the_transcript(home, demo_path,
+                                                                                              tmp_path, tally):
+    # harmless for the 7-message probe at load; past 9 messages (the fifth reply's official form) hostile
+    model = edit_gguf(demo_path, tmp_path / "later.gguf", {"tokenizer.chat_template": (
+        "{% if messages|length > 9 %}{% set x = 'a' * 9000000000 %}{% endif %}" + CHATML)})
+    lines = "".join(f"Question number {i}?\n" for i in range(7))
+    code, err, took, peak_mb = run_measured(["--model", str(model), "--session", "later", "--temperature", "0",
+                                             "--max-tokens", "4"], {"LOCALCHAT_HOME": str(home)}, lines)
+    said = [x for x in err.splitlines() if x.startswith("localchat:")]
+    records = [json.loads(x) for x in (home / "sessions" / "later" / "transcript.jsonl").read_text().splitlines()]
+    users = [r["content"] for r in records if r.get("t") == "msg" and r["role"] == "user"]
+    ok = (code == 2 and len(said) == 1 and "exceeds the bound" in said[0] and users == [f"Question number {i}?"
+                                                                                         for i in range(5)]
+          and took < 60 and peak_mb < PEAK_BOUND_MB)
+    tally.case(ok)
+    assert code == 2 and len(said) == 1 and "exceeds the bound" in said[0], err
+    assert users == [f"Question number {i}?" for i in range(5)]  # every completed turn kept
+    assert peak_mb < PEAK_BOUND_MB
