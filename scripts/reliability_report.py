@@ -22,6 +22,7 @@ CLASSES = {
     "test_kill9": "kill -9 of real processes during a turn, during autosave and during resume",
     "test_bad_input": "Bad input: hostile profiles, broken model files, huge/binary/control input, unwritable disk",
     "test_privacy": "Privacy: file modes under any umask, no pickle on a load path, no writes elsewhere",
+    "test_hostile_templates": "Hostile chat templates in copies of the demo model, refused within bounds",
 }
 
 
@@ -73,6 +74,14 @@ def main() -> int:
               "- **Privacy**: every file 0600 and directory 0700 under umask 000, 002 and 022; no pickle/marshal/eval "
               "or unsafe YAML anywhere in the package; a chat run with HOME, TMPDIR and LOCALCHAT_HOME redirected "
               "writes nothing outside LOCALCHAT_HOME and the models cache.",
+              "- **Hostile templates**: 16 chat templates swapped into copies of the real demo model (an attribute "
+              "escape, string and list products, nested loops over range and over data, doubling concatenation, "
+              "exponential and deep macro recursion, huge output, a template hostile after the third message, "
+              "raise_exception with a long message, padding and format widths, a huge power, a repeating join, "
+              "non-UTF-8 bytes): each refused at load with one line naming the file and the reason, exit 2, in "
+              "under 10 s and 1 GiB of peak resident memory for the whole process tree; `localchat models` marks "
+              "them; a template that turns hostile in the fifth turn ends the chat with exit 2, every completed "
+              "turn kept.",
               "", "Also in the main suite: `tests/test_sessions.py` (20 kill -9 trials during autosave, a file-size "
               "limit in a subprocess as a full disk, locks, session names with `../` and absolute paths)."]
     (ROOT / "docs" / "RELIABILITY.md").write_text("\n".join(lines) + "\n")

@@ -20,8 +20,9 @@ ENTER, CTRL_C, CTRL_D, ALT_ENTER = "\r", "\x03", "\x04", "\x1b\r"
 
 
 class Harness:
-    def __init__(self, home, max_tokens=12, session="ui"):
-        profile = runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": max_tokens, "n_ctx": 2048})
+    def __init__(self, home, max_tokens=12, session="ui", model=None):
+        profile = runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": max_tokens, "n_ctx": 2048,
+                                               "model": model})
         self.rt = runtime.open_runtime(profile, lambda t: None)
         store = SessionStore(session)
         store.lock()
@@ -240,8 +241,8 @@ EDITS = {  # each ends with the same message in the input line
 }
 
 
-def _run(home, session: str, read_ahead: bool, edit: str) -> tuple[list[int], list[int], dict]:
-    h = Harness(home, session=session)
+def _run(home, session: str, read_ahead: bool, edit: str, model=None) -> tuple[list[int], list[int], dict]:
+    h = Harness(home, session=session, model=model)
     try:
         h.ctl.chat.read_ahead = read_ahead
         h.say("Hello there")
@@ -286,3 +287,13 @@ def test_status_bar_and_stats_show_the_tokens_read_ahead(ui):
     assert st["read_ahead_tokens"] > 5 and "discarded_ahead_tokens" in st
     table = ui.command("/stats")
     assert " ahead " in table.splitlines()[0] and f" {st['read_ahead_tokens']} " in table.splitlines()[-2]
+
+
+def test_read_ahead_on_a_sliding_window_model_is_exact(home, gemma_path):
+    """Gemma-3-270M keeps only the last 512 positions in most layers: rewinds for edits stay within
+    what it holds (the read-ahead is capped so), and the result is the same as without read-ahead."""
+    kv_on, reply_on, st_on = _run(home, "g-on", True, "backspace", model="gemma-270m")
+    kv_off, reply_off, st_off = _run(home, "g-off", False, "backspace", model="gemma-270m")
+    assert kv_on == kv_off and reply_on == reply_off
+    assert st_on["read_ahead_tokens"] > 5 and st_on["discarded_ahead_tokens"] > 0
+    assert st_on["recomputed_tokens"] == st_off["recomputed_tokens"] <= st_on["new_tokens"] + 1

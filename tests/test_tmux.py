@@ -72,3 +72,45 @@ def test_two_turns_status_bar_and_ctrl_c_in_a_real_terminal(home, tmp_path, demo
         t.wait_for(lambda s: "saving" in s or s.strip() == "", timeout=30)
     finally:
         t.kill()
+
+
+def _typed_chat(home, tmp_path, name: str, *flags: str) -> tuple[list[dict], list[dict]]:
+    """Two turns typed key by key in a real terminal, the second with an edit; (stats, transcript records)."""
+    stats = tmp_path / f"{name}.jsonl"
+    cmd = (f"{shlex.quote(sys.executable)} -m localchat --temperature 0 --max-tokens 16 --session {name} "
+           f"--stats-json {shlex.quote(str(stats))} {' '.join(flags)}")
+    env = {"LOCALCHAT_HOME": str(home), "PYTHONPATH": os.getcwd(), "TERM": "xterm-256color"}
+    if os.environ.get("LOCALCHAT_MODELS"):
+        env["LOCALCHAT_MODELS"] = os.environ["LOCALCHAT_MODELS"]
+    t = Tmux(cmd, env)
+    read = lambda: [json.loads(x) for x in stats.read_text().splitlines()] if stats.exists() else []  # noqa: E731
+    try:
+        t.wait_for(lambda s: "/help for commands" in s and "\n>" in s)
+        t.keys("Hello there", "Enter")
+        t.wait_for(lambda s: len(read()) == 1)
+        for word in "Tell me about the old bakeries of Paris and their bread ovens".split():
+            t.keys("-l", word + " ")
+            time.sleep(0.15)
+        t.keys("BSpace", "BSpace", "BSpace", "BSpace", "BSpace")  # "ovens " back to "o"
+        t.keys("-l", "vens today")
+        time.sleep(1.0)
+        t.keys("Enter")
+        t.wait_for(lambda s: len(read()) == 2)
+        t.keys("C-d")
+        t.wait_for(lambda s: "saving" in s or s.strip() == "", timeout=30)
+        time.sleep(1.0)
+    finally:
+        t.kill()
+    records = [json.loads(x) for x in (home / "sessions" / name / "transcript.jsonl").read_text().splitlines()]
+    return read(), [r for r in records if r.get("t") == "msg"]
+
+
+def test_typing_in_a_real_terminal_reads_ahead_and_changes_nothing(home, tmp_path, demo_path):
+    on, msgs_on = _typed_chat(home, tmp_path, "ra-on")
+    off, msgs_off = _typed_chat(home, tmp_path, "ra-off", "--no-read-ahead")
+    assert [m["content"] for m in msgs_on] == [m["content"] for m in msgs_off]
+    assert msgs_on[2]["content"] == "Tell me about the old bakeries of Paris and their bread ovens today"
+    assert [m["tokens"] for m in msgs_on] == [m["tokens"] for m in msgs_off]  # the same greedy replies
+    assert on[1]["read_ahead_tokens"] > 5 and off[1]["read_ahead_tokens"] == 0
+    assert on[1]["recomputed_tokens"] == off[1]["recomputed_tokens"] <= on[1]["new_tokens"] + 1
+    assert on[1]["llama_prompt_eval"] < off[1]["llama_prompt_eval"]
