@@ -112,6 +112,8 @@ class ChatSession:
         st = TurnStats(turn=self.conv.turns + 1, n_ctx=e.n_ctx, kv_restored=self.kv_restored)
         if not self.conv.prefix:
             self.set_system(self.conv.system, cause="")
+        if not self.ahead.planned:  # sent before the idle work began: the history takes its form now
+            self.ahead.plan()
         head, body = self._delta(text)
         if len(self.conv.prefix) + len(body) + 1 > e.n_ctx:
             raise ContextFullError(f"this message ({len(body)} tokens) does not fit in the context "
