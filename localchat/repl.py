@@ -134,17 +134,6 @@ class Repl:
         Ctrl-C stops it and keeps what came."""
         self.reply, self.bar.phase, self.bar.live_tokens = "", "prefill", 0
         self.cancel.clear()
-        kb = KeyBindings()
-
-        @kb.add("c-c")
-        def _(event) -> None:
-            self.cancel.set()
-            self.bar.notice = "stopping..."
-
-        @kb.add("c-d")
-        def _(event) -> None:
-            self.cancel.set()
-
         def emit(text: str) -> None:
             self.reply += text
             self.bar.phase = "generating"
@@ -156,6 +145,25 @@ class Repl:
             self.bar.progress = (done, total)
             self._invalidate()
 
+        def work() -> TurnStats | str | None:
+            out = job(emit, self.cancel.is_set, progress)
+            if isinstance(out, TurnStats):
+                self.after_turn(out)  # the transcript, before any idle work changes the KV
+            return out
+
+        typeahead.on_text_changed += self._draft_changed
+        future = self.scheduler.call(work, draft=typeahead.text)  # first: the live view is built meanwhile
+        kb = KeyBindings()
+
+        @kb.add("c-c")
+        def _(event) -> None:
+            self.cancel.set()
+            self.bar.notice = "stopping..."
+
+        @kb.add("c-d")
+        def _(event) -> None:
+            self.cancel.set()
+
         layout = Layout(HSplit([
             Window(FormattedTextControl(self._reply_view), wrap_lines=True, height=Dimension(max=LIVE_ROWS)),
             Window(BufferControl(typeahead), height=1),
@@ -165,15 +173,6 @@ class Repl:
                                        output=self.output, erase_when_done=True, min_redraw_interval=REDRAW_INTERVAL)
         self._app = app
         loop = asyncio.get_running_loop()
-
-        def work() -> TurnStats | str | None:
-            out = job(emit, self.cancel.is_set, progress)
-            if isinstance(out, TurnStats):
-                self.after_turn(out)  # the transcript, before any idle work changes the KV
-            return out
-
-        typeahead.on_text_changed += self._draft_changed
-        future = self.scheduler.call(work, draft=typeahead.text)
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(lambda: app.exit() if app.is_running else None))
         await app.run_async(pre_run=lambda: app.exit() if future.done() else None)
         self._app, self.bar.phase, self.bar.notice = None, "", ""
