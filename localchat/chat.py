@@ -118,7 +118,10 @@ class ChatSession:
         if len(self.conv.prefix) + len(body) + 1 > e.n_ctx:
             raise ContextFullError(f"this message ({len(body)} tokens) does not fit in the context "
                                    f"({e.n_ctx} tokens); shorten it or raise --ctx")
-        overflow.make_room(self, len(head) + len(body) + self.settings.max_tokens, st)
+        evicted = overflow.make_room(e, self.conv, self.ahead, self.overflow,
+                                     len(head) + len(body) + self.settings.max_tokens, st)
+        if evicted:
+            self.events.append(evicted)
         if st.shifted_tokens:
             head, body = self._delta(text)  # the head depends on whether anything is left in the window
         new_len = len(head) + len(body) + (len(self.conv.prefix) if not self.conv.messages else 0)

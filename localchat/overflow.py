@@ -3,8 +3,6 @@ ones); shifted down in the KV without recomputing where the cache allows, else r
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from localchat import transcript
 from localchat.ahead import Ahead
 from localchat.conversation import Conversation
@@ -13,49 +11,38 @@ from localchat.errors import ContextFullError
 from localchat.stats import TurnStats
 
 
-class Chat(Protocol):
-    """What this needs of the chat session whose window it makes room in."""
-
-    engine: Engine
-    conv: Conversation
-    events: list[transcript.Record]
-    ahead: Ahead
-
-    @property
-    def overflow(self) -> str: ...
-
-
-def make_room(chat: Chat, need: int, st: TurnStats) -> None:
-    """Take the oldest exchanges out of the window until `need` more tokens fit."""
-    e = chat.engine
-    window = chat.conv.window_tokens()
+def make_room(e: Engine, conv: Conversation, ahead: Ahead, policy: str, need: int,
+              st: TurnStats) -> transcript.Record | None:
+    """Take the oldest exchanges out of the window until `need` more tokens fit (policy: shift, rebuild,
+    stop); the transcript record of what left, if anything did."""
+    window = conv.window_tokens()
     if len(window) + need <= e.n_ctx:
-        return
-    if chat.overflow == "stop":
+        return None
+    if policy == "stop":
         raise ContextFullError(
             f"the context is full ({len(window)} of {e.n_ctx} tokens): /new starts a new chat, "
             "a larger --ctx holds more, or set overflow: shift in the profile")
     margin = e.n_ctx // 8
     chosen: list[tuple[int, int, int]] = []
     freed = 0
-    for idx, start, end in chat.conv.evictable():
+    for idx, start, end in conv.evictable():
         if len(window) - freed + need + margin <= e.n_ctx and chosen:
             break
         chosen.append((idx, start, end))
         freed += end - start
     if not chosen:
-        return
+        return None
     held = min(e.n_kv, len(window))  # a warmed head may follow the window
     in_sync = e.tokens[:held] == window[:held] and held >= chosen[-1][2]
     # a sliding-window cache holds only recent positions: after the shift, the window of the
     # next token must fall inside the kept tail, or its oldest positions would be missing
     window_safe = not e.n_swa or e.config.swa_full or e.n_kv - chosen[-1][2] >= e.n_swa
-    if chat.overflow == "shift" and e.can_shift and in_sync and window_safe:
+    if policy == "shift" and e.can_shift and in_sync and window_safe:
         for _, start, end in reversed(chosen):
             e.shift_out(start, end - start)
-        chat.ahead.shifted(freed)  # what was evaluated ahead moved down with the rest
+        ahead.shifted(freed)  # what was evaluated ahead moved down with the rest
     else:
-        chat.ahead.invalidate()  # the kept window is recomputed: nothing ahead can be credited
-    chat.conv.evict([c[0] for c in chosen], freed)
-    chat.events.append(transcript.evict([c[0] for c in chosen], freed))
+        ahead.invalidate()  # the kept window is recomputed: nothing ahead can be credited
+    conv.evict([c[0] for c in chosen], freed)
     st.shifted_tokens = freed
+    return transcript.evict([c[0] for c in chosen], freed)

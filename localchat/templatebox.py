@@ -2,11 +2,12 @@
 
 A chat template arrives with a model file downloaded from anywhere. The child renders it in the
 bounded environment of `jinjasandbox` under an address-space limit (a template that allocates
-past it gets MemoryError there, not here), and this process stops any render that runs over a
-time limit by killing the child (a fresh one serves the next render). One child serves the whole
-process; it compiles each template once. A render costs a pipe round trip (well under 1 ms for
-a chat's conversation), and localchat renders only at load, when the system prompt changes, and
-in idle time.
+past it gets MemoryError there, not here). A render that runs over its CPU time is stopped by the
+child itself (a timer on its own CPU time, so a loaded machine does not refuse a sound template);
+one that does not answer within the wall-time limit is killed (a fresh child serves the next).
+One child serves the whole process; it compiles each template once. A render costs a pipe
+round trip (well under 1 ms for a chat's conversation); localchat renders at load, when the
+system prompt changes, and once a turn in idle time.
 
 Run as `python -m localchat.templatebox`: the child's side of the protocol (one JSON object per
 line each way).
@@ -19,6 +20,7 @@ import json
 import os
 import resource
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +29,8 @@ from datetime import datetime
 from typing import Any
 
 MEMORY_LIMIT = 1 << 30  # address space of the rendering process, interpreter included
-TIME_LIMIT = 3.0  # seconds one render may take
+CPU_LIMIT = 3.0  # seconds of CPU time one render may take, counted by the child itself
+WALL_LIMIT = 30.0  # seconds before this process kills a child that does not answer (its start included)
 MAX_TEMPLATE_CHARS = 1 << 20  # official templates are 1-30 kB
 MIN_OUTPUT_CAP = 256 << 10  # characters a render may produce, at least
 OUTPUT_FACTOR = 8  # ... or this many times the conversation's text
@@ -85,7 +88,7 @@ class TemplateBox:
                     continue
                 if line is None:
                     self._kill()
-                    raise TemplateRefused(f"rendering took longer than {TIME_LIMIT:g} s (stopped)", "bound")
+                    raise TemplateRefused(f"rendering took longer than {WALL_LIMIT:g} s (stopped)", "bound")
                 if not line:
                     self._kill()  # it died mid-render: the address-space limit or a crash
                     raise TemplateRefused("the render was stopped at the memory bound", "bound")
@@ -100,7 +103,7 @@ class TemplateBox:
         """One reply line; None when the time limit passed first, b"" when the child died."""
         assert proc.stdout is not None
         fd, buf = proc.stdout.fileno(), bytearray()
-        deadline = time.monotonic() + TIME_LIMIT
+        deadline = time.monotonic() + WALL_LIMIT
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -129,8 +132,17 @@ atexit.register(BOX.close)
 
 
 # ---------------------------------------------------------------- the child's side
+class _OverTime(Exception):
+    pass
+
+
+def _over_time(signum: int, frame: object) -> None:
+    raise _OverTime
+
+
 def _serve() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+    signal.signal(signal.SIGVTALRM, _over_time)
     from jinja2 import TemplateError
     from jinja2.sandbox import SecurityError
 
@@ -150,12 +162,16 @@ def _serve() -> None:
             kind = "template"
             env.start_render(datetime.fromisoformat(req["now"]))
             parts, size = [], 0
-            for piece in compiled[req["source"]].generate(**req["context"]):
-                size += len(piece)
-                if size > req["cap"]:
-                    raise BoundExceeded(f"the output passed {req['cap']:,} characters (several times the "
-                                        "conversation)")
-                parts.append(piece)
+            signal.setitimer(signal.ITIMER_VIRTUAL, CPU_LIMIT)  # this process's own CPU time
+            try:
+                for piece in compiled[req["source"]].generate(**req["context"]):
+                    size += len(piece)
+                    if size > req["cap"]:
+                        raise BoundExceeded(f"the output passed {req['cap']:,} characters (several times the "
+                                            "conversation)")
+                    parts.append(piece)
+            finally:
+                signal.setitimer(signal.ITIMER_VIRTUAL, 0)
             reply: dict[str, Any] = {"ok": True, "text": "".join(parts)}
         except BoundExceeded as exc:
             reply = {"ok": False, "error": str(exc), "kind": "bound"}
@@ -168,6 +184,9 @@ def _serve() -> None:
                      "kind": "bound"}
         except RecursionError:
             reply = {"ok": False, "error": "the template recursed too deeply", "kind": "bound"}
+        except _OverTime:
+            reply = {"ok": False, "error": f"rendering took longer than {CPU_LIMIT:g} s of CPU time (stopped)",
+                     "kind": "bound"}
         except Exception as exc:  # anything else the template provoked: refused, never a crash here
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300], "kind": kind}
         sys.stdout.write(json.dumps(reply) + "\n")

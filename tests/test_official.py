@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 
 import pytest
 
 from localchat import reasoning
+from localchat.benchidle import forced_reply as forced
 from localchat.chat import ChatSession, ChatSettings
 from localchat.conversation import Conversation
 from localchat.engine import SamplingConfig
@@ -40,33 +40,11 @@ def official_dir():
     return templates_dir()
 
 
-@contextlib.contextmanager
 def forced_reply(engine, text: str | None):
-    """The next reply is `text` (then the end-of-turn token), sampled as the engine samples: each token
-    evaluated before the next, the last one left pending."""
+    """The next reply is `text` and the end-of-turn token (the bench's forcing), or what greedy sampling gives."""
     if text is None:
-        yield
-        return
-    eog = next(t for t in range(64) if engine.is_eog(t))
-    tokens = engine.tokenize(text, special=True) + [eog]
-
-    def generate(sampler, max_tokens, gen, cancelled=None):
-        for tok in tokens:
-            gen.last_token_at = time.perf_counter()
-            gen.first_token_at = gen.first_token_at or gen.last_token_at
-            engine.tokens.append(tok)
-            gen.tokens.append(tok)
-            if engine.is_eog(tok):
-                gen.stop_reason = "eog"
-                return
-            yield engine.piece(tok).decode("utf-8", "replace")
-            engine.advance(engine.tokens, 1)
-
-    real, engine.generate = engine.generate, generate
-    try:
-        yield
-    finally:
-        engine.generate = real
+        return contextlib.nullcontext()
+    return forced(engine, engine.tokenize(text, special=True) + [next(t for t in range(64) if engine.is_eog(t))])
 
 
 def kv_text(engine, tokens) -> str:

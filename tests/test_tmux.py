@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 
 
 class Tmux:
@@ -37,15 +38,18 @@ class Tmux:
         subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
 
 
-def test_two_turns_status_bar_and_ctrl_c_in_a_real_terminal(home, tmp_path, demo_path):
-    stats = tmp_path / "stats.jsonl"
-    cmd = (f"{shlex.quote(sys.executable)} -m localchat --temperature 0 --max-tokens 300 --session tm "
-           f"--stats-json {shlex.quote(str(stats))}")
+def start(home, stats, *args: str) -> tuple[Tmux, Callable[[], list[dict]]]:
+    """localchat in a new tmux session, writing --stats-json to `stats`; (the session, a stats reader)."""
+    cmd = (f"{shlex.quote(sys.executable)} -m localchat --temperature 0 --stats-json {shlex.quote(str(stats))} "
+           + " ".join(args))
     env = {"LOCALCHAT_HOME": str(home), "PYTHONPATH": os.getcwd(), "TERM": "xterm-256color"}
     if os.environ.get("LOCALCHAT_MODELS"):
         env["LOCALCHAT_MODELS"] = os.environ["LOCALCHAT_MODELS"]
-    t = Tmux(cmd, env)
-    read = lambda: [json.loads(x) for x in stats.read_text().splitlines()] if stats.exists() else []  # noqa: E731
+    return Tmux(cmd, env), lambda: [json.loads(x) for x in stats.read_text().splitlines()] if stats.exists() else []
+
+
+def test_two_turns_status_bar_and_ctrl_c_in_a_real_terminal(home, tmp_path, demo_path):
+    t, read = start(home, tmp_path / "stats.jsonl", "--max-tokens", "300", "--session", "tm")
     try:
         t.wait_for(lambda s: "/help for commands" in s and "\n>" in s)
         t.keys("Say hello in one short sentence.", "Enter")
@@ -76,14 +80,7 @@ def test_two_turns_status_bar_and_ctrl_c_in_a_real_terminal(home, tmp_path, demo
 
 def _typed_chat(home, tmp_path, name: str, *flags: str) -> tuple[list[dict], list[dict]]:
     """Two turns typed key by key in a real terminal, the second with an edit; (stats, transcript records)."""
-    stats = tmp_path / f"{name}.jsonl"
-    cmd = (f"{shlex.quote(sys.executable)} -m localchat --temperature 0 --max-tokens 16 --session {name} "
-           f"--stats-json {shlex.quote(str(stats))} {' '.join(flags)}")
-    env = {"LOCALCHAT_HOME": str(home), "PYTHONPATH": os.getcwd(), "TERM": "xterm-256color"}
-    if os.environ.get("LOCALCHAT_MODELS"):
-        env["LOCALCHAT_MODELS"] = os.environ["LOCALCHAT_MODELS"]
-    t = Tmux(cmd, env)
-    read = lambda: [json.loads(x) for x in stats.read_text().splitlines()] if stats.exists() else []  # noqa: E731
+    t, read = start(home, tmp_path / f"{name}.jsonl", "--max-tokens", "16", "--session", name, *flags)
     try:
         t.wait_for(lambda s: "/help for commands" in s and "\n>" in s)
         t.keys("Hello there", "Enter")
