@@ -34,6 +34,7 @@ class Chat(Protocol):
     def template_tokens(self, text: str, first: bool = False) -> list[int]: ...
     def head_tokens(self) -> list[int]: ...
 
+
 STEP_SECONDS = 0.05  # one batch of idle work: what Enter may have to wait for
 _WHITESPACE = (" ", "\n", "\t")
 
@@ -58,7 +59,8 @@ class Ahead:
         self.canonicalized = 0  # history tokens re-evaluated ahead since the last turn
         self.discarded = 0  # read-ahead tokens evaluated, then thrown away by edits, since the last turn
         self.tokens_per_s = 200.0  # idle evaluation speed, measured: sets the batch size
-        self.failed = ""  # why the official form could not be laid out (told once)
+        self.failed = ""  # why the official form could not be laid out, until it is told
+        self.told_failure = False  # once per chat is enough
         self.relayouts = 0  # how often the history took a new form: a state saved before is stale
 
     # ------------------------------------------------------------ state
@@ -75,15 +77,10 @@ class Ahead:
         self.invalidate()
 
     @property
-    def read_ahead(self) -> int:
+    def read_ahead_tokens(self) -> int:
         """Tokens of the message being typed that the KV holds now."""
         e, start = self.chat.engine, self.history_end + len(self.head)
         return max(0, min(e.n_kv, start + len(self.draft_tokens)) - start) if self.planned else 0
-
-    @property
-    def idle(self) -> bool:
-        """Nothing left to do until the conversation or the draft changes (a cheap check)."""
-        return self.planned and self.chat.engine.tokens[:self.chat.engine.n_kv] == self._target()
 
     # ------------------------------------------------------------ planning
     def plan(self) -> None:
@@ -109,7 +106,9 @@ class Ahead:
         text = official.official_prefix(chat.fmt, chat.engine, chat.conv)
         lay = official.layout(chat.fmt, chat.engine, chat.conv, chat.template_tokens, text) if text else None
         if lay is None:
-            self.failed = "the official template form could not be laid out over the history; kept as sampled"
+            if not self.told_failure:
+                self.failed = "the template's official form could not be laid over the history; kept as sampled"
+                self.told_failure = True
             return []
         window = [(i, m) for i, m in enumerate(chat.conv.messages) if m.in_window]
         changed = [(i, head, tokens) for n, ((i, m), (head, tokens)) in enumerate(zip(window, lay.messages))

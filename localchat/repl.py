@@ -100,7 +100,7 @@ class Repl:
 
     def _toolbar(self) -> FormattedText:
         self.bar.autosave = self.ctl.save_status  # set by the writer thread; shown at the next redraw
-        self.bar.read_ahead = self.ctl.chat.ahead.read_ahead
+        self.bar.read_ahead = self.ctl.chat.ahead.read_ahead_tokens
         return FormattedText(status.toolbar(self.bar))
 
     def _prompt_session(self) -> PromptSession:

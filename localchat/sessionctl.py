@@ -120,8 +120,15 @@ class SessionControl:
         if self.background:
             return
         self.chat.warm_next_head()  # the official form first: the saved state then holds it, and the head
+        self._tell_layout_failure()
         if self._save_due():
             st.save_s = self.save()
+
+    def _tell_layout_failure(self) -> None:
+        ahead = self.chat.ahead
+        if ahead.failed:
+            self.report(f"localchat: {ahead.failed}")
+            ahead.failed = ""
 
     @property
     def dirty(self) -> bool:
@@ -141,6 +148,7 @@ class SessionControl:
         next head; the autosave copy; the message being typed. False when there is nothing to do."""
         ahead = self.chat.ahead
         if ahead.step(draft=False):
+            self._tell_layout_failure()
             return True
         if self._save_due():
             self.save()

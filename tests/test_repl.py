@@ -281,7 +281,7 @@ def test_status_bar_and_stats_show_the_tokens_read_ahead(ui):
     ui.settle()
     type_slowly(ui, MESSAGE)
     ui.repl._toolbar()  # what the next redraw shows
-    ahead = ui.ctl.chat.ahead.read_ahead
+    ahead = ui.ctl.chat.ahead.read_ahead_tokens
     assert ahead > 5 and f"read ahead {ahead}" in status.toolbar_text(ui.repl.bar)
     st = ui.say("")
     assert st["read_ahead_tokens"] > 5 and "discarded_ahead_tokens" in st
