@@ -19,7 +19,7 @@ def _report(text: str) -> None:
 
 def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     profile = runtime.load_profile(args.profile, overrides)
-    rt = runtime.open_runtime(profile, _report, verbose=args.verbose)
+    rt = runtime.open_runtime(profile, _report, verbose=args.verbose, explicit_ctx=args.n_ctx is not None)
     try:
         if rt.gpu_warning:
             _report(f"localchat: warning: {rt.gpu_warning}")

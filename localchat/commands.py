@@ -8,9 +8,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from localchat import models, runtime, statefile
+from localchat import models, profiles, runtime, statefile
 from localchat import plan as planmod
-from localchat.errors import ModelError, SessionError
+from localchat.errors import ModelError, ProfileError, SessionError
 from localchat.fetch import BUILTIN_MODELS
 from localchat.fingerprint import fingerprint
 from localchat.gguf_file import read_gguf
@@ -76,7 +76,8 @@ def cmd_plan(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     profile = runtime.load_profile(args.profile, overrides(args))
     info = runtime.resolve_model(profile, _report)
-    profile, warning = runtime.effective_profile(profile)
+    profile, warning = runtime.effective_profile(runtime.fit_trained_context(profile, info, args.n_ctx is not None,
+                                                                             _report))
     if warning:
         _report(f"localchat: warning: {warning}")
     plan = planmod.make_plan(profile, info, free=runtime.gpu_free(profile))
@@ -184,11 +185,43 @@ def cmd_sessions(argv: Sequence[str]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- profiles
+def cmd_profiles(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="localchat profiles", description="shipped and user profiles")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    rows = []
+    for name, path in profiles.available().items():
+        row: dict[str, Any] = {"name": name, "path": str(path),
+                               "source": "shipped" if path.parent == profiles.shipped_dir() else "user"}
+        try:
+            prof = profiles.load(name)
+            row.update(vram_gb=prof.vram_gb, n_ctx=prof.n_ctx, type_k=prof.type_k, type_v=prof.type_v,
+                       n_gpu_layers=prof.n_gpu_layers, model=prof.model)
+        except ProfileError as exc:
+            row["error"] = str(exc)
+        rows.append(row)
+    if args.json:
+        print_json(rows)
+        return 0
+    _out(f"{'name':<12} {'card':>6} {'n_ctx':>7} {'KV':<10} {'offload':<8} {'from':<8} file")
+    for r in rows:
+        if "error" in r:
+            _out(f"{r['name']:<12} {r['error']}")
+            continue
+        card = f"{r['vram_gb']:g} GB" if r["vram_gb"] else "CPU"
+        kv = r["type_k"] if r["type_k"] == r["type_v"] else f"{r['type_k']}/{r['type_v']}"
+        offload = {0: "none", -1: "all"}.get(r["n_gpu_layers"], f"{r['n_gpu_layers']} layers")
+        _out(f"{r['name']:<12} {card:>6} {r['n_ctx']!s:>7} {kv:<10} {offload:<8} {r['source']:<8} {r['path']}")
+    return 0
+
+
 def cmd_bench(argv: Sequence[str]) -> int:
     from localchat import bench
     return bench.main(argv)
 
 
 def run(name: str, argv: Sequence[str]) -> int:
-    return {"models": cmd_models, "plan": cmd_plan, "sessions": cmd_sessions, "bench": cmd_bench}[name](argv)
+    return {"models": cmd_models, "plan": cmd_plan, "sessions": cmd_sessions, "bench": cmd_bench,
+            "profiles": cmd_profiles}[name](argv)
 

@@ -12,7 +12,7 @@ from localchat import models, profiles
 from localchat import plan as planmod
 from localchat.chat import ChatSession, ChatSettings
 from localchat.engine import Engine, EngineConfig, SamplingConfig, devices, gpu_offload_supported
-from localchat.errors import ModelError, TemplateFailure
+from localchat.errors import ModelError, ProfileError, TemplateFailure
 from localchat.models import ModelInfo
 from localchat.plan import MemoryPlan
 from localchat.profiles import Profile
@@ -68,6 +68,19 @@ def gpu_free(profile: Profile) -> int:
     return next((d.free for d in devices() if d.kind == "gpu"), 0)
 
 
+def fit_trained_context(profile: Profile, info: ModelInfo, explicit_ctx: bool, report: Report) -> Profile:
+    """A profile describes a card and models vary: its n_ctx above the model's trained context becomes
+    the trained one, said in one line. An n_ctx given on the command line stays an error (check_fits)."""
+    if not isinstance(profile.n_ctx, int) or not info.n_ctx_train or profile.n_ctx <= info.n_ctx_train:
+        return profile
+    if explicit_ctx:
+        raise ProfileError(f"--ctx {profile.n_ctx} is above the trained context of {info.name} "
+                           f"({info.n_ctx_train}); use --ctx {info.n_ctx_train} or less")
+    report(f"localchat: profile '{profile.name}' sets n_ctx {profile.n_ctx}, above the trained context of "
+           f"{info.name} ({info.n_ctx_train}): using {info.n_ctx_train}")
+    return replace(profile, n_ctx=info.n_ctx_train)
+
+
 def plan_for(profile: Profile, info: ModelInfo, report: Report | None = None) -> MemoryPlan:
     """The memory plan against the profile and the memory free on the card now; stops before
     loading when it does not fit, and says when the free memory, not the profile, set the context."""
@@ -113,9 +126,10 @@ def chat_format(engine: Engine) -> ChatFormat:
         raise ModelError(f"{name}: {exc}") from None
 
 
-def open_runtime(profile: Profile, report: Report, verbose: bool = False) -> Runtime:
+def open_runtime(profile: Profile, report: Report, verbose: bool = False, explicit_ctx: bool = False) -> Runtime:
+    """`explicit_ctx`: n_ctx came from the command line (then above the trained context is an error)."""
     info = resolve_model(profile, report)
-    profile, warning = effective_profile(profile)
+    profile, warning = effective_profile(fit_trained_context(profile, info, explicit_ctx, report))
     plan = plan_for(profile, info, report)
     engine = Engine(engine_config(profile, info, plan.n_ctx, verbose))
     try:

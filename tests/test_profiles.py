@@ -96,3 +96,29 @@ def test_command_line_overrides_are_checked():
     with pytest.raises(ProfileError, match="--n-ctx: 12 is out of range"):
         profiles.with_overrides(profiles.load("cpu"), n_ctx=12)
     assert profiles.with_overrides(profiles.load("cpu"), n_ctx=1024, seed=None).n_ctx == 1024
+
+
+def test_profiles_command_lists_shipped_and_user_profiles(home):
+    import json
+
+    from tests.conftest import run_cli
+    _write(home, "mine", "extends: rtx4060\nreserve_gb: 1.5\n")
+    _write(home, "broken", "n_ctxx: 4096\n")
+    rows = {r["name"]: r for r in json.loads(run_cli(["profiles", "--json"], env={"LOCALCHAT_HOME": str(home)}).stdout)}
+    assert {"cpu", "rtx3060", "rtx4060", "h200"} <= set(rows)
+    assert rows["rtx3060"]["source"] == "shipped" and rows["rtx3060"]["vram_gb"] == 12
+    assert rows["rtx3060"]["type_k"] == "q8_0" and rows["rtx3060"]["n_ctx"] == "auto"
+    assert rows["mine"]["source"] == "user" and rows["mine"]["vram_gb"] == 8 and rows["mine"]["path"].endswith("mine.yaml")
+    assert "did you mean 'n_ctx'" in rows["broken"]["error"]
+    text = run_cli(["profiles"], env={"LOCALCHAT_HOME": str(home)}).stdout
+    assert "rtx3060" in text and "12 GB" in text and "auto" in text
+
+
+def test_a_profile_context_above_the_trained_one_is_capped_and_a_command_line_one_refused(home, demo_path):
+    from tests.conftest import run_cli
+    env = {"LOCALCHAT_HOME": str(home)}
+    r = run_cli(["--profile", "h200", "--no-session", "--max-tokens", "4", "--temperature", "0"], "Hello\n", env)
+    assert r.returncode == 0, r.stderr
+    assert "sets n_ctx 32768, above the trained context" in r.stderr and "using 8192" in r.stderr
+    r = run_cli(["--ctx", "16384", "--no-session"], "Hello\n", env)
+    assert r.returncode == 2 and "--ctx 16384 is above the trained context" in r.stderr
