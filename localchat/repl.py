@@ -83,6 +83,7 @@ class Repl:
         self.cancel = threading.Event()
         self._app: Application | None = None
         self._drawn = 0.0
+        self.queued: list[str] = []  # sent with Enter while a reply streamed, in order
         self.scheduler = Scheduler(ctl)
         self.session: PromptSession = self._prompt_session()
         self.session.default_buffer.on_text_changed += self._draft_changed
@@ -164,6 +165,10 @@ class Repl:
         def _(event) -> None:
             self.cancel.set()
 
+        @kb.add("escape", "enter")
+        def _(event) -> None:
+            event.current_buffer.insert_text("\n")
+
         layout = Layout(HSplit([
             Window(FormattedTextControl(self._reply_view), wrap_lines=True, height=Dimension(max=LIVE_ROWS)),
             Window(BufferControl(typeahead), height=1),
@@ -183,28 +188,58 @@ class Repl:
         if st is not None and st.cut:
             self.print(f"[reply cut: {st.stop_reason}]", "class:cut")
 
+    def _typeahead(self) -> Buffer:
+        """The line typed while a reply streams: Enter queues it (it runs when the reply ends)."""
+        def queue(buffer: Buffer) -> bool:
+            if buffer.text.strip():
+                self.queued.append(buffer.text)
+                self.bar.notice = f"queued ({len(self.queued)}): " + buffer.text.splitlines()[0][:40]
+            return False  # the line empties
+
+        return Buffer(multiline=False, accept_handler=queue)
+
     def _finish_turn(self, st: TurnStats) -> None:
         self._show_reply(st)
         self.bar.last, self.bar.ctx_used = st, st.ctx_used
 
     # ------------------------------------------------------------ the loop
+    def _where_you_were(self) -> None:
+        """A resumed chat starts with its last exchange above the prompt, trimmed to a few lines."""
+        msgs = [m for m in self.ctl.chat.conv.messages if m.content]
+        if len(msgs) < 2:
+            return
+        earlier = self.ctl.chat.conv.turns - 1
+        if earlier:
+            self.print(f"... {earlier} earlier turn{'s' if earlier > 1 else ''} ('localchat sessions show' has them)",
+                       "class:info")
+        for m, rows in ((msgs[-2], 3), (msgs[-1], 6)):
+            lines = m.content.strip().splitlines() or [""]
+            text = "\n".join(line[:200] for line in lines[:rows]) + (" [...]" if len(lines) > rows else "")
+            self.print(("> " if m.role == "user" else "") + text, "class:info")
+
     async def run_async(self) -> None:
         self.print(f"localchat: {self.ctl.rt.model.name} | /help for commands, Ctrl-D to quit", "class:info")
+        self._where_you_were()
         pending = ""
         while True:
-            self.scheduler.set_draft(pending)  # the prompt starts with what was typed during the reply
-            try:
-                line = await self.session.prompt_async(FormattedText([("class:prompt", "> ")]), default=pending)
-            except EOFError:
-                break
-            except KeyboardInterrupt:
-                pending = ""
-                continue
-            entered = time.perf_counter()  # the TTFT runs from Enter, a batch of idle work in flight included
+            if self.queued:  # sent with Enter while the last reply streamed: it goes now
+                line, entered = self.queued.pop(0), time.perf_counter()
+                self.print("> " + line, "class:prompt")
+                self.session.history.append_string(line)
+            else:
+                self.scheduler.set_draft(pending)  # the prompt starts with what was typed during the reply
+                try:
+                    line = await self.session.prompt_async(FormattedText([("class:prompt", "> ")]), default=pending)
+                except EOFError:
+                    break
+                except KeyboardInterrupt:
+                    pending = ""
+                    continue
+                entered = time.perf_counter()  # the TTFT runs from Enter, a batch of idle work in flight included
             pending = ""
             if not line.strip():
                 continue
-            typeahead = Buffer()
+            typeahead = self._typeahead()
             try:
                 if line.startswith("/"):
                     out = await self._command(line, typeahead)

@@ -297,3 +297,40 @@ def test_read_ahead_on_a_sliding_window_model_is_exact(home, gemma_path):
     assert kv_on == kv_off and reply_on == reply_off
     assert st_on["read_ahead_tokens"] > 5 and st_on["discarded_ahead_tokens"] > 0
     assert st_on["recomputed_tokens"] == st_off["recomputed_tokens"] <= st_on["new_tokens"] + 1
+
+
+def test_enter_during_a_reply_queues_the_line_and_it_runs_after(home, demo_path):
+    h = Harness(home, max_tokens=200, session="queue")
+    try:
+        h.wait(lambda: h.repl.session.app.is_running)
+        h.type("Write a long story about a dragon." + ENTER)
+        h.wait(lambda: h.repl.bar.live_tokens > 3)
+        h.type("/stats" + ENTER)  # a command, then a message: both queued, in order
+        h.type("And a short one about a cat?" + ENTER)
+        h.wait(lambda: len(h.stats) == 2, timeout=120)
+        assert [m.content for m in h.ctl.chat.conv.messages if m.role == "user"] == \
+            ["Write a long story about a dragon.", "And a short one about a cat?"]
+        assert any("turn  prompt" in p for p in h.printed)  # /stats ran, as one command
+        assert not any("unknown command" in p for p in h.printed)
+        h.wait(lambda: h.repl.session.app.is_running and h.repl.session.default_buffer.text == "")
+    finally:
+        h.close()
+    assert not h.thread.is_alive()  # Ctrl-D was not swallowed by a leftover line
+
+
+def test_resume_shows_the_last_exchange_above_the_prompt(home, demo_path):
+    h = Harness(home, session="back")
+    h.say("Hello there")
+    h.say("Name a colour please")
+    reply = h.ctl.chat.conv.messages[-1].content
+    h.close()
+    again = Harness(home, session="back")
+    try:
+        again.ctl.resume()
+        again.printed.clear()
+        again.repl._where_you_were()
+        shown = "\n".join(again.printed)
+        assert "1 earlier turn" in shown and "> Name a colour please" in shown
+        assert reply.strip().splitlines()[0][:50] in shown
+    finally:
+        again.close()
