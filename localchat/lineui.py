@@ -65,8 +65,8 @@ def run_lines(ctl: SessionControl, after_turn: Callable[[TurnStats], None],
                 return 2
             except LocalchatError as exc:
                 out = f"localchat: {exc}"
-        if isinstance(out, str):
-            if out:
+        if not isinstance(out, TurnStats):  # a message (a draft needs the terminal UI, which line mode is not)
+            if isinstance(out, str) and out:
                 stderr.write(out.rstrip("\n") + "\n")
             continue
         stdout.write("\n")

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TextIO
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.application import Application
@@ -84,6 +86,8 @@ class Repl:
         self._app: Application | None = None
         self._drawn = 0.0
         self.queued: list[str] = []  # sent with Enter while a reply streamed, in order
+        self.terminal: TextIO | None = sys.stdout if output is None else None  # /copy writes OSC 52 here
+        self.draft = ""  # text a command (/edit) put in the next input line
         self.scheduler = Scheduler(ctl)
         self.session: PromptSession = self._prompt_session()
         self.session.default_buffer.on_text_changed += self._draft_changed
@@ -117,7 +121,7 @@ class Repl:
 
         return PromptSession(history=_history(self.ctl), key_bindings=kb, multiline=False,
                              bottom_toolbar=self._toolbar, style=STYLE, input=self.input, output=self.output,
-                             refresh_interval=0.5, enable_history_search=False)
+                             refresh_interval=0.5, enable_history_search=False, enable_open_in_editor=True)
 
     def print(self, text: str, style: str = "") -> None:
         print_formatted_text(FormattedText([(style, text)]), style=STYLE, output=self.output)
@@ -129,8 +133,8 @@ class Repl:
         return FormattedText([("", "\n".join(tail.split("\n")[-LIVE_ROWS:]))])
 
     async def _run_turn(self, job: Callable[[Callable[[str], None], Callable[[], bool], Callable[[int, int], None]],
-                                            TurnStats | str | None],
-                        typeahead: Buffer) -> TurnStats | str | None:
+                                            slash.Outcome | None],
+                        typeahead: Buffer) -> slash.Outcome | None:
         """Run job on the engine's thread under a live view, then after_turn there for a reply it made;
         Ctrl-C stops it and keeps what came."""
         self.reply, self.bar.phase, self.bar.live_tokens = "", "prefill", 0
@@ -146,7 +150,7 @@ class Repl:
             self.bar.progress = (done, total)
             self._invalidate()
 
-        def work() -> TurnStats | str | None:
+        def work() -> slash.Outcome | None:
             out = job(emit, self.cancel.is_set, progress)
             if isinstance(out, TurnStats):
                 self.after_turn(out)  # the transcript, before any idle work changes the KV
@@ -256,7 +260,7 @@ class Repl:
                 break
             except LocalchatError as exc:
                 self.print(f"localchat: {exc}", "class:cut")
-            pending = typeahead.text
+            pending, self.draft = self.draft or typeahead.text, ""
         self.scheduler.close()
         self.print("saving...", "class:info")
 
@@ -267,7 +271,10 @@ class Repl:
                 slash.CommandContext(self.ctl, emit, cancelled), line), typeahead)
         else:
             out = await asyncio.wrap_future(self.scheduler.call(lambda: slash.dispatch(
-                slash.CommandContext(self.ctl, self.print, self.cancel.is_set), line), draft=""))
+                slash.CommandContext(self.ctl, self.print, self.cancel.is_set, self.terminal), line), draft=""))
+        if isinstance(out, slash.Draft):
+            self.draft = out.text
+            return "in the input line: Enter sends it" if out.text else "nothing written"
         if isinstance(out, TurnStats):
             self._finish_turn(out)
             return ""

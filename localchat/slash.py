@@ -6,9 +6,10 @@ import difflib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TextIO
 
+from localchat import clipboard, transcript
 from localchat import plan as planmod
-from localchat import transcript
 from localchat.prefixcache import PrefixCache
 from localchat.profiles import SETTING_KEYS
 from localchat.sessionctl import SessionControl, auto_name
@@ -25,9 +26,17 @@ class CommandContext:
     ctl: SessionControl
     emit: Callable[[str], None]  # streamed reply text, for /retry
     cancelled: Callable[[], bool]
+    terminal: TextIO | None = None  # the user's terminal (/copy writes its clipboard sequence there)
 
 
-Outcome = str | TurnStats  # a message for the user, or the stats of a reply the command generated
+@dataclass(frozen=True)
+class Draft:
+    """Text for the input line, sent when the user presses Enter (/edit)."""
+
+    text: str
+
+
+Outcome = str | TurnStats | Draft  # a message for the user, a reply the command generated, or a draft
 
 
 @dataclass(frozen=True)
@@ -144,6 +153,34 @@ def _pin(ctx: CommandContext, arg: str) -> str:
     return "last exchange pinned: it stays in the window when the context fills"
 
 
+def _copy(ctx: CommandContext, arg: str) -> str:
+    replies = [m for m in ctx.ctl.chat.conv.messages if m.role == "assistant" and m.content]
+    if not replies:
+        return "nothing to copy yet"
+    text, what = replies[-1].content, "the last reply"
+    words = arg.split()
+    if words and words[0] == "code":
+        blocks = clipboard.code_blocks(text)
+        n = int(words[1]) if len(words) > 1 and words[1].isdigit() else 1
+        if not 1 <= n <= len(blocks):
+            return f"the last reply has {len(blocks)} code block{'s' if len(blocks) != 1 else ''}"
+        text, what = blocks[n - 1], f"code block {n} of {len(blocks)}"
+    if ctx.terminal is None:
+        return "copying needs the terminal UI (line mode has no terminal to hand it to)"
+    ctx.terminal.write(clipboard.osc52(text))
+    ctx.terminal.flush()
+    return f"copied {what} ({len(text)} characters) to the terminal's clipboard (OSC 52)"
+
+
+def _edit(ctx: CommandContext, arg: str) -> Outcome:
+    if ctx.terminal is None:
+        return "editing needs the terminal UI"
+    try:
+        return Draft(clipboard.edit(arg))
+    except OSError as exc:
+        return f"the editor did not run ({exc}); set $EDITOR"
+
+
 def _quit(ctx: CommandContext, arg: str) -> str:
     raise Quit
 
@@ -161,6 +198,8 @@ COMMANDS: dict[str, Command] = {
     "/cache": Command("/cache", "what the KV holds, state size on disk, prefix snapshots", _cache),
     "/profile": Command("/profile", "active settings and the memory plan", _profile),
     "/pin": Command("/pin", "keep the last exchange in the window when the context fills", _pin),
+    "/copy": Command("/copy [code [N]]", "the last reply, or its code block N, to the clipboard (OSC 52)", _copy),
+    "/edit": Command("/edit", "write the next message in $EDITOR (also Ctrl-X Ctrl-E)", _edit),
     "/quit": Command("/quit", "save and exit (also Ctrl-D)", _quit),
 }
 

@@ -58,8 +58,8 @@ class Harness:
         return self.stats[-1]
 
     def command(self, text: str) -> str:
-        n = len(self.printed)
         self.wait(lambda: self.repl.session.app.is_running)
+        n = len(self.printed)
         self.type(text + ENTER)
         self.wait(lambda: len(self.printed) > n and self.repl.session.app.is_running)
         return "\n".join(self.printed[n:])
@@ -334,3 +334,29 @@ def test_resume_shows_the_last_exchange_above_the_prompt(home, demo_path):
         assert reply.strip().splitlines()[0][:50] in shown
     finally:
         again.close()
+
+
+def test_copy_puts_the_reply_or_a_code_block_on_the_terminal_clipboard(ui):
+    import base64
+    import io
+    ui.say("Hello there")
+    ui.repl.terminal = io.StringIO()
+    reply = ui.ctl.chat.conv.messages[-1]
+    assert "copied the last reply" in ui.command("/copy")
+    assert base64.b64encode(reply.content.encode()).decode() in ui.repl.terminal.getvalue()
+    reply.content = "Here you go:\n```python\nprint('hi')\n```\nand\n~~~\nsecond\n~~~\n"
+    assert "code block 2 of 2" in ui.command("/copy code 2")
+    assert base64.b64encode(b"second\n").decode() in ui.repl.terminal.getvalue()
+    assert "has 2 code blocks" in ui.command("/copy code 5")
+
+
+def test_edit_writes_the_next_message_in_the_editor(ui, monkeypatch):
+    import shlex
+    import sys
+    script = "import sys; open(sys.argv[1], 'w').write('written in the editor\\n')"
+    monkeypatch.setenv("VISUAL", f"{shlex.quote(sys.executable)} -c {shlex.quote(script)}")
+    ui.repl.terminal = sys.stdout  # as in a real terminal (the harness draws to a dummy output)
+    assert "Enter sends it" in ui.command("/edit")
+    ui.wait(lambda: ui.repl.session.default_buffer.text == "written in the editor")
+    st = ui.say("")
+    assert st["turn"] == 1 and ui.ctl.chat.conv.messages[0].content == "written in the editor"
