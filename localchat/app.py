@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from localchat import runtime, sessionctl
+from localchat import runtime, sessionctl, status
 from localchat.stats import TurnStats
 
 
@@ -41,10 +41,10 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         try:
             if interactive:
                 from localchat import repl
-                repl.run(ctl, after_turn)
+                repl.run(ctl, after_turn, status.ViewPrefs(markdown=not args.raw, show_thoughts=args.show_reasoning))
             else:
                 from localchat import lineui
-                code = lineui.run_lines(ctl, after_turn)
+                code = lineui.run_lines(ctl, after_turn, show_reasoning=args.show_reasoning)
         finally:
             ctl.close()
             if stats_file:

@@ -43,8 +43,8 @@ THINK_TEMPLATE = (  # ChatML that drops the thoughts of earlier replies, as Qwen
 def forced_reply(engine: Engine, tokens: list[int]) -> Iterator[None]:
     """The next reply is `tokens`, produced as sampling produces a reply (each token evaluated before
     the next, the last left pending): reasoning that a small model would not write."""
-    def generate(sampler: object, max_tokens: int, gen: Generation,
-                 cancelled: Callable[[], bool] | None = None) -> Iterator[str]:
+    def generate(sampler: object, max_tokens: int, gen: Generation, cancelled: Callable[[], bool] | None = None,
+                 inject: Callable[[], list[int]] | None = None) -> Iterator[str]:
         for tok in tokens:
             gen.last_token_at = time.perf_counter()
             gen.first_token_at = gen.first_token_at or gen.last_token_at

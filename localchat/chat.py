@@ -7,13 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from localchat import overflow, transcript
+from localchat import overflow, reasoning, replystream, transcript
 from localchat.ahead import Ahead
 from localchat.conversation import Conversation, Message
-from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig
+from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig, prime_sampler
 from localchat.errors import ContextFullError
 from localchat.stats import TurnStats
-from localchat.stopscan import StopScanner
 from localchat.templates import ChatFormat
 
 OVERFLOW_POLICIES = ("auto", "shift", "rebuild", "stop")
@@ -31,6 +30,7 @@ class ChatSettings:
     overflow: str = "auto"  # auto: shift where the KV can shift positions, else rebuild
     history: str = "official"  # official: the history converges to the template's form; or as-sampled
     read_ahead: bool = True  # evaluate the message while it is typed (terminal UI)
+    reasoning_budget: int = -1  # thought tokens before the end-of-thought marker is forced; -1: no limit
 
 
 class ChatSession:
@@ -47,6 +47,7 @@ class ChatSession:
         self._template_tokens: dict[tuple[str, bool], list[int]] = {}
         self.events: list[transcript.Record] = []  # transcript records not yet persisted, drained by the store
         self.read_ahead = settings.read_ahead
+        self.reasoning_style = reasoning.detect(fmt.source)  # think tags, channels, or "" (none)
         self.ahead = Ahead(self)  # the work done while the user is not waiting
 
     @property
@@ -104,9 +105,10 @@ class ChatSession:
     # ---------------------------------------------------------------- turns
     def turn(self, text: str, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
              progress: Progress | None = None, started: float | None = None,
-             on_prefix: PrefixHook | None = None) -> TurnStats:
+             on_prefix: PrefixHook | None = None, on_thought: TextSink | None = None) -> TurnStats:
         """One exchange; `started` (perf_counter) is when the user's message arrived, for the TTFT;
-        `on_prefix` is called once the KV holds exactly the prefix, if it is evaluated this turn."""
+        `on_prefix` is called once the KV holds exactly the prefix, if it is evaluated this turn;
+        `on_thought` gets a reasoning model's thoughts as they stream (the answer goes to on_text)."""
         e = self.engine
         t0 = started if started is not None else time.perf_counter()
         st = TurnStats(turn=self.conv.turns + 1, n_ctx=e.n_ctx, kv_restored=self.kv_restored)
@@ -142,22 +144,15 @@ class ChatSession:
             return self._finish(st, t0, gen)
         self.ahead.credit(st, pre, len(window), len(head), own_from, canon_left)
         st.prefill_s, st.first_diff = pre.seconds, pre.first_diff
-        scanner = StopScanner(self.fmt.stop_strings)
-        stopped = False
-        for piece in e.generate(self._sampler, self.settings.max_tokens, gen, cancelled):
-            out, stopped = scanner.feed(piece)
-            if out and on_text:
-                on_text(out)
-            if stopped:
-                gen.stop_reason = "stop_string"
-                break
-        if not stopped:
-            rest = scanner.flush()
-            if rest and on_text:
-                on_text(rest)
-        reply = self._settle_reply(len(prompt), gen, scanner.text if stopped else None)
+        prime_sampler(self._sampler, self.settings.sampling, e.tokens)  # the penalties see this context
+        out = replystream.stream(e, self._sampler, self.settings.max_tokens, gen, self.reasoning_style,
+                                 self.fmt.opens_thoughts, self.settings.reasoning_budget, self.fmt.stop_strings,
+                                 cancelled, on_text, on_thought)
+        reply = self._settle_reply(len(prompt), gen, out.stop_text)
         st.cut = gen.stop_reason in ("cancelled", "context_full")
-        self._record(self.conv.add_reply(e.detokenize([t for t in reply if not e.is_eog(t)]), reply, st.cut))
+        text = out.answer.strip() if self.reasoning_style else e.detokenize([t for t in reply if not e.is_eog(t)])
+        self._record(self.conv.add_reply(text, reply, st.cut, reasoning=out.thought))
+        st.extra["reasoning_tokens"] = out.reasoning_tokens
         st.reply_tokens, st.stop_reason = len(reply), gen.stop_reason
         st.miss_cause = self._miss_cause(st, pre.rewind_refused, n_kv_before)
         self.ahead.end_turn()

@@ -40,6 +40,13 @@ def chat_parser() -> argparse.ArgumentParser:
                         "read; as-sampled: kept as the model wrote them")
     p.add_argument("--no-read-ahead", dest="read_ahead", action="store_false", default=None,
                    help="do not evaluate the message while it is typed")
+    p.add_argument("--think", nargs="?", const="on", choices=("on", "off", "low", "medium", "high"),
+                   help="reasoning models whose template has a switch: think (on, or an effort for gpt-oss)")
+    p.add_argument("--no-think", dest="think", action="store_const", const="off", help="do not think first")
+    p.add_argument("--reasoning-budget", type=int, metavar="N", help="end the thoughts after N tokens")
+    p.add_argument("--show-reasoning", action="store_true",
+                   help="show a reasoning model's thoughts (line mode: on stderr; the answer alone on stdout)")
+    p.add_argument("--raw", action="store_true", help="replies as raw text, not rendered Markdown")
     return p
 
 

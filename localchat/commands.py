@@ -136,7 +136,10 @@ def export_markdown(s: SessionStore) -> str:
         lines += [f"**system:** {conv.system}", ""]
     for m in conv.messages:
         mark = " (cut)" if m.cut else ""
-        lines += [f"**{m.role}**{mark}:", "", m.content, ""]
+        lines += [f"**{m.role}**{mark}:", ""]
+        if m.reasoning:
+            lines += ["> *reasoning:*", *(f"> {line}" for line in m.reasoning.splitlines()), ""]
+        lines += [m.content, ""]
     return "\n".join(lines)
 
 

@@ -21,12 +21,14 @@ class Message:
     in_window: bool = True  # False once its tokens have left the context window
     pinned: bool = False  # never leaves the window
     raw: str = ""  # a reply as sampled, special tokens written out (its thoughts, channels); templates get this
+    reasoning: str = ""  # a reply's thoughts (its content is the answer)
 
     def to_json(self) -> dict:
         # by hand: dataclasses.asdict deep-copies every token, a millisecond on the turn's critical path
         d = {"role": self.role, "content": self.content, "tokens": list(self.tokens), "head": list(self.head),
              "cut": self.cut, "in_window": self.in_window, "pinned": self.pinned}
-        return {**d, "raw": self.raw} if self.raw else d
+        d.update({k: v for k, v in (("raw", self.raw), ("reasoning", self.reasoning)) if v})
+        return d
 
 
 @dataclass
@@ -78,8 +80,8 @@ class Conversation:
         self.messages.append(m)
         return m
 
-    def add_reply(self, text: str, tokens: list[int], cut: bool, raw: str = "") -> Message:
-        m = Message("assistant", text, tokens=list(tokens), cut=cut, raw=raw)
+    def add_reply(self, text: str, tokens: list[int], cut: bool, reasoning: str = "") -> Message:
+        m = Message("assistant", text, tokens=list(tokens), cut=cut, reasoning=reasoning)
         self.messages.append(m)
         return m
 

@@ -38,12 +38,29 @@ class Interrupt:
 
 
 def run_lines(ctl: SessionControl, after_turn: Callable[[TurnStats], None],
-              stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr) -> int:
-    """The chat over lines; the exit code: 0, or 2 when the model's chat template failed mid-chat
-    (a script must not take a chat that cannot go on for a success)."""
+              stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
+              show_reasoning: bool = False) -> int:
+    """The chat over lines: the answers on stdout, a reasoning model's thoughts on stderr with
+    show_reasoning (else not at all). The exit code: 0, or 2 when the model's chat template failed
+    mid-chat (a script must not take a chat that cannot go on for a success)."""
+    thought_open = False  # thoughts were written to stderr and their line is not ended yet
+
+    def end_thoughts() -> None:
+        nonlocal thought_open
+        if thought_open:
+            stderr.write("\n")
+            thought_open = False
+
     def emit(text: str) -> None:
+        end_thoughts()
         stdout.write(text)
         stdout.flush()
+
+    def think(text: str) -> None:
+        nonlocal thought_open
+        stderr.write(text)
+        stderr.flush()
+        thought_open = True
 
     if stdin is sys.stdin and hasattr(sys.stdin, "buffer"):
         # binary or non-UTF-8 input must not end the chat: undecodable bytes become U+FFFD
@@ -57,7 +74,7 @@ def run_lines(ctl: SessionControl, after_turn: Callable[[TurnStats], None],
                 if line.startswith("/"):
                     out = slash.dispatch(slash.CommandContext(ctl, emit, cancelled), line)
                 else:
-                    out = ctl.turn(line, emit, cancelled)
+                    out = ctl.turn(line, emit, cancelled, on_thought=think if show_reasoning else None)
             except slash.Quit:
                 return 0
             except TemplateFailure as exc:
@@ -69,6 +86,7 @@ def run_lines(ctl: SessionControl, after_turn: Callable[[TurnStats], None],
             if isinstance(out, str) and out:
                 stderr.write(out.rstrip("\n") + "\n")
             continue
+        end_thoughts()
         stdout.write("\n")
         stdout.flush()
         try:

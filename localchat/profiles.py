@@ -16,6 +16,7 @@ from localchat.errors import ProfileError
 KV_TYPES = ("f16", "q8_0", "q4_0")
 OVERFLOW = ("auto", "shift", "rebuild", "stop")
 HISTORY = ("official", "as-sampled")
+THINK = ("on", "off", "low", "medium", "high")
 MAX_PROFILE_BYTES = 256 * 1024
 QUANTIZED = ("q8_0", "q4_0")
 
@@ -42,6 +43,11 @@ class Profile:
     top_p: float = 0.95
     min_p: float = 0.05
     repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    dry_multiplier: float = 0.0  # DRY: penalize repeating sequences (0 = off)
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the whole context
     seed: int = -1  # -1: random
     max_tokens: int = 512
     system: str | None = None
@@ -49,6 +55,8 @@ class Profile:
     autosave: bool = True
     max_kv_disk_gb: float = 10.0
     read_ahead: bool = True  # terminal UI: evaluate the message while it is typed
+    think: str | None = None  # reasoning models: on, off, or an effort (low, medium, high); None: the model's default
+    reasoning_budget: int = -1  # thought tokens before the end of the thoughts is forced; -1: no limit
     history: str = "official"  # official: the history converges to the template's form; as-sampled
 
     @property
@@ -78,6 +86,11 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "top_p": (_NUM, lambda v: 0 < v <= 1, "above 0, at most 1"),
     "min_p": (_NUM, lambda v: 0 <= v < 1, "0 to below 1"),
     "repeat_penalty": (_NUM, lambda v: 0 < v <= 5, "above 0, 1 is off"),
+    "repeat_last_n": ((int,), lambda v: 0 <= v <= 1 << 20, "a number of tokens, 0 or more"),
+    "dry_multiplier": (_NUM, lambda v: 0 <= v <= 10, "0 (off) to 10"),
+    "dry_base": (_NUM, lambda v: 1 <= v <= 10, "1 to 10"),
+    "dry_allowed_length": ((int,), lambda v: 1 <= v <= 1000, "a number of tokens, 1 or more"),
+    "dry_penalty_last_n": ((int,), lambda v: v >= -1, "-1 (the whole context), 0 (off) or a number of tokens"),
     "seed": ((int,), lambda v: -1 <= v < 1 << 32, "-1 (random) or a number"),
     "max_tokens": ((int,), lambda v: 1 <= v <= 1 << 20, "a number of tokens, 1 or more"),
     "system": ((str, type(None)), lambda v: True, "a text"),
@@ -85,6 +98,8 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "autosave": ((bool,), lambda v: True, "true or false"),
     "max_kv_disk_gb": (_NUM, lambda v: 0 <= v <= 1 << 20, "a number of GB, 0 or more"),
     "read_ahead": ((bool,), lambda v: True, "true or false"),
+    "think": ((str, type(None)), lambda v: v in (None, *THINK), "one of " + ", ".join(THINK)),
+    "reasoning_budget": ((int,), lambda v: v >= -1, "-1 (no limit) or a number of tokens"),
     "history": ((str,), lambda v: v in HISTORY, "one of " + ", ".join(HISTORY)),
 }
 # the settings a profile file or a command-line option can set: every field but where it came from

@@ -19,40 +19,22 @@ from collections.abc import Callable
 from typing import TextIO
 
 from prompt_toolkit import PromptSession
-from prompt_toolkit.application import Application
 from prompt_toolkit.buffer import Buffer
 from prompt_toolkit.formatted_text import FormattedText
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.key_binding import KeyBindings
-from prompt_toolkit.layout import Dimension, HSplit, Layout, Window
-from prompt_toolkit.layout.controls import BufferControl, FormattedTextControl
 from prompt_toolkit.output import Output
 from prompt_toolkit.shortcuts import print_formatted_text
-from prompt_toolkit.styles import Style
 
 from localchat import slash, status
 from localchat.errors import LocalchatError
+from localchat.liveview import STYLE, LiveReply
 from localchat.scheduler import Scheduler
 from localchat.sessionctl import SessionControl
 from localchat.stats import TurnStats
 
-STYLE = Style.from_dict({
-    "bottom-toolbar": "noreverse bg:#222222 #cccccc",
-    "bar": "bg:#222222 #cccccc",
-    "bar.profile": "bg:#005f87 #ffffff bold",
-    "bar.hit": "bg:#222222 #5fd75f bold",
-    "bar.miss": "bg:#222222 #ff5f5f bold",
-    "bar.warn": "bg:#222222 #ffaf00",
-    "bar.busy": "bg:#222222 #87afff",
-    "prompt": "#5fafff bold",
-    "cut": "#ff5f5f italic",
-    "info": "#888888",
-})
-
 AfterTurn = Callable[[TurnStats], None]
-REDRAW_INTERVAL = 0.25  # seconds between redraws of the live reply and status bar
-LIVE_ROWS, LIVE_CHARS = 8, 1200
 
 
 def bar_state(ctl: SessionControl) -> status.BarState:
@@ -77,14 +59,14 @@ def _history(ctl: SessionControl) -> History:
 
 class Repl:
     def __init__(self, ctl: SessionControl, after_turn: AfterTurn, input: Input | None = None,
-                 output: Output | None = None):
+                 output: Output | None = None, view: status.ViewPrefs | None = None):
         self.ctl, self.after_turn = ctl, after_turn
+        self.view = view or status.ViewPrefs()
         self.input, self.output = input, output
         self.bar = bar_state(ctl)
-        self.reply = ""
+        self.reply = ""  # the last reply's text, as streamed
         self.cancel = threading.Event()
-        self._app: Application | None = None
-        self._drawn = 0.0
+        self.live = LiveReply(self.bar, self._toolbar, rendered=False, show_thoughts=False)
         self.queued: list[str] = []  # sent with Enter while a reply streamed, in order
         self.terminal: TextIO | None = sys.stdout if output is None else None  # /copy writes OSC 52 here
         self.draft = ""  # text a command (/edit) put in the next input line
@@ -96,13 +78,6 @@ class Repl:
         self.scheduler.set_draft(buffer.text)
 
     # ------------------------------------------------------------ pieces
-    def _invalidate(self) -> None:
-        # a redraw holds the GIL the generating thread needs: a few per second is enough to read
-        now = time.monotonic()
-        if self._app is not None and self._app.is_running and now - self._drawn >= REDRAW_INTERVAL:
-            self._drawn = now
-            self._app.invalidate()
-
     def _toolbar(self) -> FormattedText:
         self.bar.autosave = self.ctl.save_status  # set by the writer thread; shown at the next redraw
         self.bar.read_ahead = self.ctl.chat.ahead.read_ahead_tokens
@@ -127,70 +102,41 @@ class Repl:
         print_formatted_text(FormattedText([(style, text)]), style=STYLE, output=self.output)
 
     # ------------------------------------------------------------ a turn
-    def _reply_view(self) -> FormattedText:
-        # only the tail is live (the whole reply is printed when it ends): a small view redraws cheaply
-        tail = self.reply[-LIVE_CHARS:]
-        return FormattedText([("", "\n".join(tail.split("\n")[-LIVE_ROWS:]))])
-
     async def _run_turn(self, job: Callable[[Callable[[str], None], Callable[[], bool], Callable[[int, int], None]],
                                             slash.Outcome | None],
                         typeahead: Buffer) -> slash.Outcome | None:
         """Run job on the engine's thread under a live view, then after_turn there for a reply it made;
         Ctrl-C stops it and keeps what came."""
-        self.reply, self.bar.phase, self.bar.live_tokens = "", "prefill", 0
+        self.bar.phase, self.bar.live_tokens = "prefill", 0
         self.cancel.clear()
-        def emit(text: str) -> None:
-            self.reply += text
-            self.bar.phase = "generating"
-            self.bar.ctx_used = len(self.ctl.rt.engine.tokens)
-            self.bar.live_tokens += 1
-            self._invalidate()
-
-        def progress(done: int, total: int) -> None:
-            self.bar.progress = (done, total)
-            self._invalidate()
+        live = self.live = LiveReply(self.bar, self._toolbar, rendered=self.view.markdown,
+                                     show_thoughts=self.view.show_thoughts)
 
         def work() -> slash.Outcome | None:
-            out = job(emit, self.cancel.is_set, progress)
+            out = job(live.emit, self.cancel.is_set, live.progress)
             if isinstance(out, TurnStats):
                 self.after_turn(out)  # the transcript, before any idle work changes the KV
             return out
 
         typeahead.on_text_changed += self._draft_changed
         future = self.scheduler.call(work, draft=typeahead.text)  # first: the live view is built meanwhile
-        kb = KeyBindings()
-
-        @kb.add("c-c")
-        def _(event) -> None:
-            self.cancel.set()
-            self.bar.notice = "stopping..."
-
-        @kb.add("c-d")
-        def _(event) -> None:
-            self.cancel.set()
-
-        @kb.add("escape", "enter")
-        def _(event) -> None:
-            event.current_buffer.insert_text("\n")
-
-        layout = Layout(HSplit([
-            Window(FormattedTextControl(self._reply_view), wrap_lines=True, height=Dimension(max=LIVE_ROWS)),
-            Window(BufferControl(typeahead), height=1),
-            Window(FormattedTextControl(self._toolbar), height=1, style="class:bottom-toolbar"),
-        ]), focused_element=typeahead)
-        app: Application = Application(layout=layout, key_bindings=kb, style=STYLE, input=self.input,
-                                       output=self.output, erase_when_done=True, min_redraw_interval=REDRAW_INTERVAL)
-        self._app = app
-        loop = asyncio.get_running_loop()
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(lambda: app.exit() if app.is_running else None))
-        await app.run_async(pre_run=lambda: app.exit() if future.done() else None)
-        self._app, self.bar.phase, self.bar.notice = None, "", ""
+        await live.run(future, typeahead, self.cancel.set, self.input, self.output)
+        self.view.show_thoughts = live.show_thoughts  # Ctrl-T during the reply sticks
+        self.bar.phase, self.bar.notice = "", ""
         return future.result()
 
+    def print_fragments(self, fragments: list) -> None:
+        print_formatted_text(FormattedText(fragments), style=STYLE, output=self.output)
+
     def _show_reply(self, st: TurnStats | None) -> None:
-        self.print(self.reply)
+        for fragments, _ in self.live.printed():
+            self.print_fragments(fragments)
+        self.reply = self.live.reply
         if st is not None and st.cut:
             self.print(f"[reply cut: {st.stop_reason}]", "class:cut")
+
+    def _thought_sink(self, text: str) -> None:
+        self.live.think(text)
 
     def _typeahead(self) -> Buffer:
         """The line typed while a reply streams: Enter queues it (it runs when the reply ends)."""
@@ -253,7 +199,8 @@ class Repl:
                     error = self.scheduler.take_error()
                     if error is not None:  # the idle work met it (the template failed): this turn ends with it
                         raise error
-                    st = await self._run_turn(functools.partial(self.ctl.turn, line, started=entered), typeahead)
+                    st = await self._run_turn(functools.partial(self.ctl.turn, line, started=entered,
+                                                                on_thought=self._thought_sink), typeahead)
                     if isinstance(st, TurnStats):
                         self._finish_turn(st)
             except slash.Quit:
@@ -268,10 +215,11 @@ class Repl:
         cmd = slash.lookup(line)
         if cmd is not None and cmd.replies:  # streams a reply: run under the live view, like a turn
             out = await self._run_turn(lambda emit, cancelled, progress: slash.dispatch(
-                slash.CommandContext(self.ctl, emit, cancelled), line), typeahead)
+                slash.CommandContext(self.ctl, emit, cancelled, view=self.view), line), typeahead)
         else:
             out = await asyncio.wrap_future(self.scheduler.call(lambda: slash.dispatch(
-                slash.CommandContext(self.ctl, self.print, self.cancel.is_set, self.terminal), line), draft=""))
+                slash.CommandContext(self.ctl, self.print, self.cancel.is_set, self.terminal, self.view), line),
+                draft=""))
         if isinstance(out, slash.Draft):
             self.draft = out.text
             return "in the input line: Enter sends it" if out.text else "nothing written"
@@ -283,6 +231,6 @@ class Repl:
         return out or ""
 
 
-def run(ctl: SessionControl, after_turn: AfterTurn, input: Input | None = None, output: Output | None = None) -> None:
-    asyncio.run(Repl(ctl, after_turn, input, output).run_async())
+def run(ctl: SessionControl, after_turn: AfterTurn, view: status.ViewPrefs | None = None) -> None:
+    asyncio.run(Repl(ctl, after_turn, view=view).run_async())
 

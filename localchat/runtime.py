@@ -13,6 +13,7 @@ from localchat import plan as planmod
 from localchat.chat import ChatSession, ChatSettings
 from localchat.engine import Engine, EngineConfig, SamplingConfig, devices, gpu_offload_supported
 from localchat.errors import ModelError, ProfileError, TemplateFailure
+from localchat.fetch import builtin_system
 from localchat.models import ModelInfo
 from localchat.plan import MemoryPlan
 from localchat.profiles import Profile
@@ -100,12 +101,18 @@ def engine_config(profile: Profile, info: ModelInfo, n_ctx: int, verbose: bool) 
         swa_full=profile.swa_full, verbose=verbose)
 
 
-def chat_settings(profile: Profile) -> ChatSettings:
+def chat_settings(profile: Profile, default_system: str | None = None) -> ChatSettings:
+    """`default_system`: the model's own default (a built-in's), used where the profile sets no system prompt."""
     seed = profile.seed if profile.seed >= 0 else 0xFFFFFFFF
     sampling = SamplingConfig(temperature=profile.temperature, top_k=profile.top_k, top_p=profile.top_p,
-                              min_p=profile.min_p, repeat_penalty=profile.repeat_penalty, seed=seed)
-    return ChatSettings(system=profile.system, max_tokens=profile.max_tokens, sampling=sampling,
-                        overflow=profile.overflow, history=profile.history, read_ahead=profile.read_ahead)
+                              min_p=profile.min_p, repeat_penalty=profile.repeat_penalty,
+                              repeat_last_n=profile.repeat_last_n, dry_multiplier=profile.dry_multiplier,
+                              dry_base=profile.dry_base, dry_allowed_length=profile.dry_allowed_length,
+                              dry_penalty_last_n=profile.dry_penalty_last_n, seed=seed)
+    system = profile.system if profile.system is not None else default_system
+    return ChatSettings(system=system, max_tokens=profile.max_tokens, sampling=sampling,
+                        overflow=profile.overflow, history=profile.history, read_ahead=profile.read_ahead,
+                        reasoning_budget=profile.reasoning_budget)
 
 
 def chat_format(engine: Engine) -> ChatFormat:
@@ -137,5 +144,9 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
     except ModelError:
         engine.close()
         raise
-    chat = ChatSession(engine, fmt, chat_settings(profile))
+    if profile.think:
+        said = fmt.set_thinking(profile.think)
+        if not said.startswith("thinking:"):
+            report(f"localchat: think: {profile.think}: {said}")
+    chat = ChatSession(engine, fmt, chat_settings(profile, builtin_system(info.path)))
     return Runtime(profile, info, plan, engine, chat, warning)

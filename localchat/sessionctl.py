@@ -98,7 +98,8 @@ class SessionControl:
 
     # ------------------------------------------------------------ turns
     def turn(self, text: str, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
-             progress: Progress | None = None, started: float | None = None) -> TurnStats:
+             progress: Progress | None = None, started: float | None = None,
+             on_thought: TextSink | None = None) -> TurnStats:
         """One exchange; `started`: when the user pressed Enter (perf_counter), for the TTFT. A prefix
         loaded from disk is part of the wait for the first token."""
         started = time.perf_counter() if started is None else started
@@ -106,7 +107,7 @@ class SessionControl:
         if cache is not None:
             cache.load(self.chat)
         on_prefix = cache.snapshot if cache is not None else None
-        return self.chat.turn(text, on_text, cancelled, progress, started, on_prefix=on_prefix)
+        return self.chat.turn(text, on_text, cancelled, progress, started, on_prefix=on_prefix, on_thought=on_thought)
 
     def after_turn(self, st: TurnStats) -> None:
         """Persist the transcript now (fsync); the KV when its copy fits the autosave budget."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TextIO
 
 from localchat import clipboard, transcript
@@ -14,6 +14,7 @@ from localchat.prefixcache import PrefixCache
 from localchat.profiles import SETTING_KEYS
 from localchat.sessionctl import SessionControl, auto_name
 from localchat.stats import TurnStats
+from localchat.status import ViewPrefs
 from localchat.store import SessionStore, list_sessions
 
 
@@ -27,6 +28,7 @@ class CommandContext:
     emit: Callable[[str], None]  # streamed reply text, for /retry
     cancelled: Callable[[], bool]
     terminal: TextIO | None = None  # the user's terminal (/copy writes its clipboard sequence there)
+    view: ViewPrefs = field(default_factory=ViewPrefs)  # how replies are shown (the terminal UI's)
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,26 @@ def _edit(ctx: CommandContext, arg: str) -> Outcome:
         return f"the editor did not run ({exc}); set $EDITOR"
 
 
+def _think(ctx: CommandContext, arg: str) -> str:
+    chat, word = ctx.ctl.chat, arg.strip().lower()
+    if word in ("show", "hide"):
+        ctx.view.show_thoughts = word == "show"
+        return f"thoughts {'shown' if ctx.view.show_thoughts else 'folded to one line'} (Ctrl-T during a reply)"
+    if not word:
+        switch = chat.fmt.thinking_switch
+        state = f"{switch}: {chat.fmt.options.get(switch, 'the default')}" if switch else "no switch in its template"
+        shown = "shown" if ctx.view.show_thoughts else "folded"
+        return f"reasoning format: {chat.reasoning_style or 'none'}; {state}; thoughts {shown}"
+    said = chat.fmt.set_thinking(word)
+    chat.ahead.invalidate()  # the next turn's prompt follows the switch
+    return said
+
+
+def _raw(ctx: CommandContext, arg: str) -> str:
+    ctx.view.markdown = not ctx.view.markdown
+    return "replies rendered as Markdown" if ctx.view.markdown else "replies shown as raw text"
+
+
 def _quit(ctx: CommandContext, arg: str) -> str:
     raise Quit
 
@@ -200,6 +222,9 @@ COMMANDS: dict[str, Command] = {
     "/pin": Command("/pin", "keep the last exchange in the window when the context fills", _pin),
     "/copy": Command("/copy [code [N]]", "the last reply, or its code block N, to the clipboard (OSC 52)", _copy),
     "/edit": Command("/edit", "write the next message in $EDITOR (also Ctrl-X Ctrl-E)", _edit),
+    "/think": Command("/think [on|off|low|medium|high|show|hide]", "reasoning: switch it, or show the thoughts",
+                      _think),
+    "/raw": Command("/raw", "replies as raw text, or as Markdown again", _raw),
     "/quit": Command("/quit", "save and exit (also Ctrl-D)", _quit),
 }
 

@@ -10,6 +10,15 @@ Fragments = list[tuple[str, str]]
 
 
 @dataclass
+class ViewPrefs:
+    """How replies are shown in the terminal UI: as Markdown or raw text; a reasoning model's thoughts
+    folded to one line or shown."""
+
+    markdown: bool = True
+    show_thoughts: bool = False
+
+
+@dataclass
 class BarState:
     """Everything the status bar shows; the REPL updates it, the bar renders it."""
 

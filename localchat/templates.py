@@ -55,8 +55,11 @@ class ChatFormat:
         self._bos, self._eos = bos_token, eos_token
         self.now: datetime | None = None  # the date templates print (strftime_now); None: today
         # the stand-in conversation is fixed, so each delta is the same every turn
-        self._first: dict[tuple[str, object], tuple[str, str]] = {}
-        self._next: dict[tuple[str, object], tuple[str, str]] = {}
+        self._first: dict[tuple[str, object, object], tuple[str, str]] = {}
+        self._next: dict[tuple[str, object, object], tuple[str, str]] = {}
+        self.options: dict[str, object] = {}  # template switches: enable_thinking, reasoning_effort
+        if "enable_thinking" in self.source:
+            self.options["enable_thinking"] = True  # llama.cpp's default; some templates read "undefined" as off
         self.system_role = True  # False: the template refuses a system message; it is folded in
         self._probe()
 
@@ -74,7 +77,7 @@ class ChatFormat:
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         """The template's own rendering, as Hugging Face transformers renders it, inside bounds."""
-        context = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+        context = {**self.options, "messages": messages, "add_generation_prompt": add_generation_prompt,
                    "bos_token": self._bos, "eos_token": self._eos}
         try:
             return BOX.render(self.source, context, self.now)
@@ -84,6 +87,31 @@ class ChatFormat:
                                       "valid template", exc.kind) from None
             verb = "failed to render" if exc.kind == "template" else "was refused"
             raise TemplateFailure(f"the model's chat template {verb}: {exc}", exc.kind) from None
+
+    @property
+    def thinking_switch(self) -> str:
+        """The template's switch for thinking: "enable_thinking" (Qwen3, SmolLM3), "reasoning_effort"
+        (gpt-oss), or "" when it has none."""
+        return next((k for k in ("enable_thinking", "reasoning_effort") if k in self.source), "")
+
+    def set_thinking(self, value: str) -> str:
+        """on, off, or an effort (low, medium, high): what was set, or why nothing was."""
+        switch = self.thinking_switch
+        if switch == "enable_thinking" and value in ("on", "off"):
+            self.options[switch] = value == "on"
+        elif switch == "reasoning_effort" and value in ("low", "medium", "high"):
+            self.options[switch] = value
+        elif switch == "reasoning_effort" and value in ("on", "off"):
+            self.options[switch] = "medium" if value == "on" else "low"  # gpt-oss always reasons, at least low
+        else:
+            takes = "on or off" if switch == "enable_thinking" else "low, medium or high"
+            return f"this model's template takes {takes}" if switch else "this model's template has no thinking switch"
+        return f"thinking: {self.options[switch]}"
+
+    @property
+    def opens_thoughts(self) -> bool:
+        """The generation prompt opens the thoughts itself (DeepSeek-R1 ends it with `<think>`)."""
+        return self.first_turn(None, "").after.rstrip().endswith("<think>")
 
     def with_system(self, system: str | None, messages: list[dict[str, str]]) -> list[dict[str, str]]:
         """The messages with the system prompt in front, or folded into the first message when the
@@ -103,7 +131,7 @@ class ChatFormat:
 
     def first_turn(self, system: str | None, user: str) -> TurnText:
         """The whole first prompt: system prompt, the user's words, the generation prompt."""
-        key = (system or "", self.now.date() if self.now else None)
+        key = (system or "", self.now.date() if self.now else None, tuple(sorted(self.options.items())))
         if key not in self._first:
             msgs = self.with_system(system, [{"role": "user", "content": USER_SENTINEL}])
             self._first[key] = self._split(self.render(msgs, True), 0)
@@ -112,7 +140,7 @@ class ChatFormat:
 
     def next_turn(self, system: str | None, user: str) -> TurnText:
         """What follows a finished reply: the reply's closing, the user's words, the generation prompt."""
-        key = (system or "", self.now.date() if self.now else None)
+        key = (system or "", self.now.date() if self.now else None, tuple(sorted(self.options.items())))
         if key not in self._next:
             msgs = self.with_system(system, [
                 {"role": "user", "content": "Hi"},

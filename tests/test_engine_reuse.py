@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from localchat.engine import Generation, SamplingConfig
 from tests.conftest import greedy_chat, make_engine
 from tests.test_templates import THINK_STRIPPING
@@ -53,6 +55,31 @@ def test_reuse_changes_speed_never_output(demo_engine):
         assert st.cached_tokens == 0
         replies_fresh.append(fresh.conv.messages[-1].tokens)
     assert replies_reuse == replies_fresh
+
+
+def test_repetition_penalties_depend_on_the_conversation_not_on_what_was_sampled_before(demo_engine):
+    """With a repeat penalty and DRY on, a reply depends on the conversation only: /undo and sending
+    again gives the same reply, and so does a resumed chat (its KV loaded, a sampler that saw nothing)."""
+    penalized = SamplingConfig(temperature=0, repeat_penalty=1.3, dry_multiplier=0.8)
+    e = demo_engine
+    chat = greedy_chat(e, system="You are brief.", max_tokens=32, sampling=penalized)
+    chat.turn(QUESTIONS[0])
+    saved, saved_tokens, saved_conv = bytes(e.state_bytes()), e.tokens[:e.n_kv], copy.deepcopy(chat.conv)
+    chat.turn(QUESTIONS[1])
+    second = chat.conv.messages[-1].tokens
+    chat.undo()
+    chat.turn(QUESTIONS[1])
+    assert chat.conv.messages[-1].tokens == second
+    resumed = greedy_chat(e, system="You are brief.", max_tokens=32, sampling=penalized)
+    assert e.load_state(saved, saved_tokens)
+    resumed.adopt(saved_conv)
+    st = resumed.turn(QUESTIONS[1])
+    assert st.cached_tokens == len(saved_tokens)  # the KV came from the saved state
+    assert resumed.conv.messages[-1].tokens == second
+    plain = greedy_chat(e, system="You are brief.", max_tokens=32)
+    plain.turn(QUESTIONS[0])
+    plain.turn(QUESTIONS[1])
+    assert [m.tokens for m in plain.conv.messages] != [m.tokens for m in resumed.conv.messages]  # the penalty acts
 
 
 def test_next_turn_head_is_evaluated_after_the_reply_and_changes_no_output(demo_engine):

@@ -23,7 +23,7 @@ from localchat.official import template_messages
 from localchat.templates import ChatFormat
 from tests.conftest import run_cli
 from tests.ggufedit import edit_gguf
-from tests.official_templates import TEMPLATES, templates_dir
+from tests.official_templates import TEMPLATES
 
 QUESTIONS = ["What is bread?", "Name a colour.", "And a second one?", "Thanks, bye."]
 SYSTEM = "You are a concise assistant."
@@ -33,11 +33,6 @@ SCRIPTS = {  # replies with thoughts, in each reasoning format
                "<|start|>assistant<|channel|>final<|message|>Answer number {i}.",
     "gemma4": "<|channel>thought\nQuestion {i} needs a short answer.<channel|>Answer number {i}.",
 }
-
-
-@pytest.fixture(scope="session")
-def official_dir():
-    return templates_dir()
 
 
 def forced_reply(engine, text: str | None):

@@ -12,6 +12,7 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
 from localchat import runtime, status
+from localchat.benchidle import forced_reply
 from localchat.repl import Repl
 from localchat.sessionctl import SessionControl
 from localchat.store import SessionStore
@@ -20,9 +21,9 @@ ENTER, CTRL_C, CTRL_D, ALT_ENTER = "\r", "\x03", "\x04", "\x1b\r"
 
 
 class Harness:
-    def __init__(self, home, max_tokens=12, session="ui", model=None):
+    def __init__(self, home, max_tokens=12, session="ui", model=None, **settings):
         profile = runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": max_tokens, "n_ctx": 2048,
-                                               "model": model})
+                                               "model": model, **settings})
         self.rt = runtime.open_runtime(profile, lambda t: None)
         store = SessionStore(session)
         store.lock()
@@ -55,6 +56,7 @@ class Harness:
         self.wait(lambda: self.repl.session.app.is_running)
         self.type(text + ENTER)
         self.wait(lambda: len(self.stats) > n)
+        self.wait(lambda: self.repl.session.app.is_running)  # the reply is printed, the prompt is back
         return self.stats[-1]
 
     def command(self, text: str) -> str:
@@ -360,3 +362,23 @@ def test_edit_writes_the_next_message_in_the_editor(ui, monkeypatch):
     ui.wait(lambda: ui.repl.session.default_buffer.text == "written in the editor")
     st = ui.say("")
     assert st["turn"] == 1 and ui.ctl.chat.conv.messages[0].content == "written in the editor"
+
+
+REPLY_MD = "## Steps\n\n1. Boil **water**.\n2. Add `salt`.\n\n```python\nprint('done')\n```"
+
+
+def test_replies_print_as_markdown_and_raw_on_request(ui):
+    engine = ui.rt.engine
+    printed: list[str] = []
+    ui.repl.print_fragments = lambda fragments: printed.append("".join(t for _, t, *_ in fragments))
+    forced = engine.tokenize(REPLY_MD, special=False) + [next(t for t in range(64) if engine.is_eog(t))]
+    with forced_reply(engine, forced):
+        ui.say("How do I cook pasta?")
+    shown = printed[-1]
+    assert "Steps" in shown and "water" in shown and "print('done')" in shown  # all the words
+    assert "##" not in shown and "**" not in shown and "```" not in shown  # the markup rendered, not printed
+    assert ui.ctl.chat.conv.messages[-1].content == REPLY_MD  # the transcript keeps what the model wrote
+    assert "raw text" in ui.command("/raw")
+    with forced_reply(engine, forced):
+        ui.say("Again, please.")
+    assert printed[-1].strip() == REPLY_MD

@@ -111,3 +111,24 @@ def test_typing_in_a_real_terminal_reads_ahead_and_changes_nothing(home, tmp_pat
     assert on[1]["read_ahead_tokens"] > 5 and off[1]["read_ahead_tokens"] == 0
     assert on[1]["recomputed_tokens"] == off[1]["recomputed_tokens"] <= on[1]["new_tokens"] + 1
     assert on[1]["llama_prompt_eval"] < off[1]["llama_prompt_eval"]
+
+
+def test_a_line_sent_during_a_reply_is_queued_and_replies_render_as_markdown(home, tmp_path, demo_path):
+    t, read = start(home, tmp_path / "stats.jsonl", "--max-tokens", "300", "--session", "md")
+    try:
+        t.wait_for(lambda s: "/help for commands" in s and "\n>" in s)
+        t.keys("Write a very long story about a dragon and a knight.", "Enter")
+        t.wait_for(lambda s: "generating" in s)
+        t.keys("Write a Python function that adds two numbers.", "Enter")  # typed and sent while it streams
+        t.wait_for(lambda s: "queued (1): Write a Python function" in s)
+        t.wait_for(lambda s: len(read()) == 2, timeout=120)  # both ran: the story, then the queued line
+        records = [json.loads(x) for x in (home / "sessions" / "md" / "transcript.jsonl").read_text().splitlines()]
+        replies = [r["content"] for r in records if r.get("t") == "msg" and r["role"] == "assistant"]
+        assert len(replies) == 2 and "```" in replies[1]  # the model wrote Markdown ...
+        screen = t.wait_for(lambda s: "def add_numbers" in s)
+        assert "```" not in screen  # ... and the terminal shows it rendered: a highlighted block, no fences
+        assert "> Write a Python function that adds two numbers." in screen
+        t.keys("C-d")
+        t.wait_for(lambda s: "saving" in s or s.strip() == "", timeout=30)
+    finally:
+        t.kill()

@@ -217,12 +217,13 @@ class Engine:
         lc.llama_synchronize(self.ctx)
 
     def make_sampler(self, s: SamplingConfig) -> object:
-        return make_sampler(s)
+        return make_sampler(s, self.vocab)
 
-    def generate(self, sampler, max_tokens: int, gen: Generation,
-                 cancelled: Callable[[], bool] | None = None) -> Iterator[str]:
+    def generate(self, sampler, max_tokens: int, gen: Generation, cancelled: Callable[[], bool] | None = None,
+                 inject: Callable[[], list[int]] | None = None) -> Iterator[str]:
         """Stream reply text after a prefill. Sampled tokens join self.tokens as sampled; the last
-        one stays pending (not yet in the KV) until the next prefill evaluates it."""
+        one stays pending (not yet in the KV) until the next prefill evaluates it. `inject`, asked
+        after each token: tokens the reply must go on with (a thought budget's end marker)."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         for i in range(max_tokens):
             tok = lc.llama_sampler_sample(sampler, self.ctx, -1)
@@ -243,11 +244,18 @@ class Engine:
             if cancelled and cancelled():
                 gen.stop_reason = "cancelled"
                 return
-            if self.n_kv + 1 >= self.n_ctx:
+            forced = inject() if inject else []
+            if self.n_kv + 1 + len(forced) >= self.n_ctx:
                 gen.stop_reason = "context_full"
                 return
-            self._decode([tok], self.n_kv, want_logits=True)
-            self.n_kv += 1
+            self._decode([tok, *forced], self.n_kv, want_logits=True)
+            self.n_kv += 1 + len(forced)
+            if forced:
+                self.tokens.extend(forced)
+                gen.tokens.extend(forced)
+                text = decoder.decode(b"".join(self.piece(t) for t in forced))
+                if text:
+                    yield text
         gen.stop_reason = gen.stop_reason or "max_tokens"
 
     # ------------------------------------------------------------------ counters and state

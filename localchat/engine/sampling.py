@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import llama_cpp as lc
 
 from localchat.engine.types import SamplingConfig
 
+# DRY's default sequence breakers (llama.cpp's): repetition across them is not penalized
+_DRY_BREAKERS = ("\n", ":", "\"", "*")
 
-def make_sampler(s: SamplingConfig) -> object:
-    """llama.cpp's sampler chain for these settings (greedy at temperature 0)."""
+
+def make_sampler(s: SamplingConfig, vocab: object) -> object:
+    """llama.cpp's sampler chain for these settings, in llama.cpp's own order: penalties, DRY, then
+    top-k, top-p, min-p, temperature and the draw (greedy at temperature 0)."""
     chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
     if s.repeat_penalty != 1.0:
-        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(64, s.repeat_penalty, 0.0, 0.0))
+        n_vocab = lc.llama_vocab_n_tokens(vocab)
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_penalties(n_vocab, s.repeat_last_n, s.repeat_penalty,
+                                                                          0.0, 0.0))
+    if s.dry_multiplier > 0:
+        breakers = (ctypes.c_char_p * len(_DRY_BREAKERS))(*(b.encode() for b in _DRY_BREAKERS))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dry(
+            vocab, s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.dry_penalty_last_n, breakers,
+            len(_DRY_BREAKERS)))
     if s.temperature <= 0:
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
         return chain
@@ -21,3 +34,16 @@ def make_sampler(s: SamplingConfig) -> object:
     lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(s.temperature))
     lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(s.seed))
     return chain
+
+
+def prime(chain: object, s: SamplingConfig, tokens: list[int]) -> None:
+    """Show the penalty samplers (the chain's first members) the context's last tokens, whatever was
+    sampled before: a turn samples the same after a resume, /undo or /retry as in one sitting, and the
+    penalties see the prompt, as llama-cli primes them. The draw's random state is left as it is."""
+    windows = ([s.repeat_last_n] if s.repeat_penalty != 1.0 else []) + \
+        ([len(tokens) if s.dry_penalty_last_n < 0 else s.dry_penalty_last_n] if s.dry_multiplier > 0 else [])
+    for i, window in enumerate(windows):
+        member = lc.llama_sampler_chain_get(chain, i)
+        lc.llama_sampler_reset(member)
+        for tok in tokens[len(tokens) - min(window, len(tokens)):]:
+            lc.llama_sampler_accept(member, tok)

@@ -31,6 +31,11 @@ class SamplingConfig:
     top_p: float = 0.95
     min_p: float = 0.05
     repeat_penalty: float = 1.0
+    repeat_last_n: int = 64  # tokens the repeat penalty looks back over
+    dry_multiplier: float = 0.0  # DRY (don't repeat yourself) penalty on repeated sequences; 0 = off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the whole context
     seed: int = 0xFFFFFFFF  # llama.cpp's "random seed"
 
 
