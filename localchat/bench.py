@@ -177,9 +177,15 @@ def main(argv: Sequence[str]) -> int:
                    help="the official form's work for a reply with thoughts, and the next turn's TTFT")
     p.add_argument("--reasoning-tokens", type=int, default=400)
     p.add_argument("--answer-tokens", type=int, default=100)
+    p.add_argument("--decode", action="store_true",
+                   help="decode speed with drafts from the conversation (off, auto, on), repetitive and not")
+    p.add_argument("--load", action="store_true",
+                   help="decode speed beside 0, 1 and N busy processes: auto threads against each fixed count")
     args = p.parse_args(argv)
     if args.typing or args.reasoning:
         return _idle_benches(args)
+    if args.load or args.decode:
+        return _decode_benches(args)
     if args.quick:
         args.turns, args.system_tokens, args.user_tokens, args.reply_tokens = 6, 256, 100, 32
     if args.repeat is None:
@@ -238,6 +244,26 @@ def _idle_benches(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     sys.stdout.write(json.dumps({k: v for k, v in result.items()}, indent=1, default=str)[:20000] + "\n")
+    return 0
+
+
+def _decode_benches(args: argparse.Namespace) -> int:
+    """--decode (benchdecode) and --load (benchload): decode speed; JSON to --json, a summary to stdout."""
+    from localchat import benchdecode, benchload
+    profile = runtime.load_profile(args.profile, overrides(args))
+    result: dict[str, Any] = {"versions": {"llama_cpp_python": llama_version()}, "cpu_count": os.cpu_count()}
+    lines: list[str] = []
+    if args.decode:
+        result["decode"] = benchdecode.run_decode(profile, args.repeat or 3, max(args.reply_tokens, 256), _report,
+                                                  args.llama_bench)
+        lines += benchdecode.summary(result["decode"])
+    if args.load:
+        result["load"] = benchload.run_load(profile, args.repeat or 3, args.reply_tokens * 2, _report)
+        lines += benchload.summary(result["load"])
+    sys.stderr.write("\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
 

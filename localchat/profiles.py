@@ -37,7 +37,8 @@ class Profile:
     swa_full: bool = False
     n_batch: int = 512
     n_ubatch: int = 512
-    n_threads: int = 0  # 0: all cores
+    n_threads: int | str = "auto"  # auto: the free physical cores, re-checked between turns; or a number
+    n_threads_batch: int | str = "auto"  # the same for prompt batches
     temperature: float = 0.7
     top_k: int = 40
     top_p: float = 0.95
@@ -57,11 +58,21 @@ class Profile:
     read_ahead: bool = True  # terminal UI: evaluate the message while it is typed
     think: str | None = None  # reasoning models: on, off, or an effort (low, medium, high); None: the model's default
     reasoning_budget: int = -1  # thought tokens before the end of the thoughts is forced; -1: no limit
+    speculate: str = "auto"  # drafts from the context's own history, verified in batches: auto, on, off
     history: str = "official"  # official: the history converges to the template's form; as-sampled
 
     @property
     def offloads(self) -> bool:
         return self.n_gpu_layers != 0
+
+
+def _threads_ok(v: int | str) -> bool:
+    return v == "auto" or (isinstance(v, int) and 0 <= v <= 1024)  # 0: auto, as before
+
+
+def thread_count(v: int | str) -> int:
+    """A profile's thread setting as a number, 0 for auto."""
+    return 0 if v == "auto" else int(v)
 
 
 # key -> (accepted types, check, what a valid value is)
@@ -80,7 +91,8 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "swa_full": ((bool,), lambda v: True, "true or false"),
     "n_batch": ((int,), lambda v: 1 <= v <= 1 << 16, "a number of tokens, 1 to 65536"),
     "n_ubatch": ((int,), lambda v: 1 <= v <= 1 << 16, "a number of tokens, 1 to 65536"),
-    "n_threads": ((int,), lambda v: 0 <= v <= 1024, "0 (all cores) or a number of threads"),
+    "n_threads": ((int, str), _threads_ok, "'auto' or a number of threads"),
+    "n_threads_batch": ((int, str), _threads_ok, "'auto' or a number of threads"),
     "temperature": (_NUM, lambda v: 0 <= v <= 5, "0 (greedy) to 5"),
     "top_k": ((int,), lambda v: v >= 0, "0 (off) or more"),
     "top_p": (_NUM, lambda v: 0 < v <= 1, "above 0, at most 1"),
@@ -100,6 +112,7 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "read_ahead": ((bool,), lambda v: True, "true or false"),
     "think": ((str, type(None)), lambda v: v in (None, *THINK), "one of " + ", ".join(THINK)),
     "reasoning_budget": ((int,), lambda v: v >= -1, "-1 (no limit) or a number of tokens"),
+    "speculate": ((str,), lambda v: v in ("auto", "on", "off"), "one of auto, on, off"),
     "history": ((str,), lambda v: v in HISTORY, "one of " + ", ".join(HISTORY)),
 }
 # the settings a profile file or a command-line option can set: every field but where it came from
@@ -165,6 +178,8 @@ def _check(path: Path, data: dict[str, Any]) -> None:
             if not isinstance(value, str):
                 raise ProfileError(f"{path}: key 'extends' must be a profile name, not {value!r}")
             continue
+        if key in ("think", "speculate") and isinstance(value, bool):  # YAML reads on/off as true/false
+            value = data[key] = "on" if value else "off"
         types, ok, what = _RULES[key]
         if isinstance(value, bool) and bool not in types:
             raise ProfileError(f"{path}: key '{key}' must be {what}, not {value!r}")
@@ -234,6 +249,9 @@ def check_consistency(p: Profile) -> None:
                            "lower n_ubatch or raise n_batch")
 
 
+_FLAGS = {"n_threads": "--threads", "n_ctx": "--ctx", "n_gpu_layers": "--gpu-layers"}  # where they differ
+
+
 def with_overrides(p: Profile, **overrides: Any) -> Profile:
     """Apply command-line options (those not None) and check the result again."""
     changed = replace(p, **{k: v for k, v in overrides.items() if v is not None})
@@ -241,6 +259,7 @@ def with_overrides(p: Profile, **overrides: Any) -> Profile:
         value = getattr(changed, key)
         types, ok, what = _RULES[key]
         if overrides[key] is not None and not (isinstance(value, types) and ok(value)):
-            raise ProfileError(f"--{key.replace('_', '-')}: {value!r} is out of range; it must be {what}")
+            flag = _FLAGS.get(key, "--" + key.replace("_", "-"))
+            raise ProfileError(f"{flag}: {value!r} is out of range; it must be {what}")
     check_consistency(changed)
     return changed

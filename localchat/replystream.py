@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from localchat import thinking
-from localchat.engine import Engine, Generation
+from localchat.engine import Engine, Generation, Speculation
 from localchat.stopscan import StopScanner
 
 TextSink = Callable[[str], None]
@@ -24,7 +24,7 @@ class Reply:
 
 def stream(e: Engine, sampler: object, max_tokens: int, gen: Generation, style: str, opened: bool, budget: int,
            stops: tuple[str, ...], cancelled: Callable[[], bool] | None, on_text: TextSink | None,
-           on_thought: TextSink | None) -> Reply:
+           on_thought: TextSink | None, spec: Speculation | None = None) -> Reply:
     """Generate one reply; `style`: its reasoning format ("" for none), `opened`: the prompt opened the
     thoughts, `budget`: thought tokens before the end-of-thought marker is forced (-1: no limit)."""
     out = Reply()
@@ -46,7 +46,9 @@ def stream(e: Engine, sampler: object, max_tokens: int, gen: Generation, style: 
         forced = True  # once: the model then writes its answer
         return e.tokenize(thinking.END_OF_THOUGHT[style], special=True)
 
-    for piece in e.generate(sampler, max_tokens, gen, cancelled, inject=inject if thoughts else None):
+    pieces = e.generate(sampler, max_tokens, gen, cancelled, inject=inject if thoughts and budget >= 0 else None,
+                        spec=spec)
+    for piece in pieces:
         if thoughts is None:
             if answer(piece):
                 gen.stop_reason, out.stop_text = "stop_string", scanner.text
@@ -61,6 +63,7 @@ def stream(e: Engine, sampler: object, max_tokens: int, gen: Generation, style: 
             on_thought(more_thought)
         if more_answer:
             answer(more_answer)
+    pieces.close()  # a stop string ended it: draft tokens evaluated past it leave the KV now
     if thoughts is not None:
         new = [t for t in gen.tokens[seen:] if not e.is_eog(t)]
         more_thought, more_answer = thoughts.feed(

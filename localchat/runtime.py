@@ -13,11 +13,11 @@ from localchat import plan as planmod
 from localchat.chat import ChatSession, ChatSettings
 from localchat.engine import Engine, EngineConfig, SamplingConfig, devices, gpu_offload_supported
 from localchat.errors import ModelError, ProfileError, TemplateFailure
-from localchat.fetch import builtin_system
 from localchat.models import ModelInfo
 from localchat.plan import MemoryPlan
-from localchat.profiles import Profile
+from localchat.profiles import Profile, thread_count
 from localchat.templates import ChatFormat, template_problem
+from localchat.threads import ThreadFit
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,18 @@ class Runtime:
     engine: Engine
     chat: ChatSession
     gpu_warning: str = ""
+    threads: ThreadFit | None = None  # the auto thread count's measurements (None: fixed numbers)
+    threads_why: str = ""  # how auto chose the threads in use
+
+    def refit_threads(self, min_window: float = 0.0) -> None:
+        """Auto threads: as many as the cores other processes leave free now (two reads of /proc)."""
+        if self.threads is None or not self.threads.auto:
+            return
+        choice = self.threads.choose(min_window)
+        self.threads_why = choice.why
+        if (choice.decode, choice.batch) != self.engine.threads:
+            log.info("threads %s -> %d/%d (%s)", self.engine.threads, choice.decode, choice.batch, choice.why)
+            self.engine.set_threads(choice.decode, choice.batch)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -93,26 +105,26 @@ def plan_for(profile: Profile, info: ModelInfo, report: Report | None = None) ->
     return plan
 
 
-def engine_config(profile: Profile, info: ModelInfo, n_ctx: int, verbose: bool) -> EngineConfig:
+def engine_config(profile: Profile, info: ModelInfo, n_ctx: int, verbose: bool, cores: int = 0) -> EngineConfig:
+    """`cores`: the thread count auto starts from (0: every logical CPU)."""
     return EngineConfig(
         model_path=str(info.path), n_ctx=n_ctx, n_gpu_layers=profile.n_gpu_layers,
-        n_threads=profile.n_threads, flash_attn=profile.flash_attn, type_k=profile.type_k,
-        type_v=profile.type_v, n_batch=profile.n_batch, n_ubatch=profile.n_ubatch,
+        n_threads=thread_count(profile.n_threads) or cores,
+        n_threads_batch=thread_count(profile.n_threads_batch) or cores, flash_attn=profile.flash_attn,
+        type_k=profile.type_k, type_v=profile.type_v, n_batch=profile.n_batch, n_ubatch=profile.n_ubatch,
         swa_full=profile.swa_full, verbose=verbose)
 
 
-def chat_settings(profile: Profile, default_system: str | None = None) -> ChatSettings:
-    """`default_system`: the model's own default (a built-in's), used where the profile sets no system prompt."""
+def chat_settings(profile: Profile) -> ChatSettings:
     seed = profile.seed if profile.seed >= 0 else 0xFFFFFFFF
     sampling = SamplingConfig(temperature=profile.temperature, top_k=profile.top_k, top_p=profile.top_p,
                               min_p=profile.min_p, repeat_penalty=profile.repeat_penalty,
                               repeat_last_n=profile.repeat_last_n, dry_multiplier=profile.dry_multiplier,
                               dry_base=profile.dry_base, dry_allowed_length=profile.dry_allowed_length,
                               dry_penalty_last_n=profile.dry_penalty_last_n, seed=seed)
-    system = profile.system if profile.system is not None else default_system
-    return ChatSettings(system=system, max_tokens=profile.max_tokens, sampling=sampling,
+    return ChatSettings(system=profile.system, max_tokens=profile.max_tokens, sampling=sampling,
                         overflow=profile.overflow, history=profile.history, read_ahead=profile.read_ahead,
-                        reasoning_budget=profile.reasoning_budget)
+                        reasoning_budget=profile.reasoning_budget, speculate=profile.speculate)
 
 
 def chat_format(engine: Engine) -> ChatFormat:
@@ -135,10 +147,12 @@ def chat_format(engine: Engine) -> ChatFormat:
 
 def open_runtime(profile: Profile, report: Report, verbose: bool = False, explicit_ctx: bool = False) -> Runtime:
     """`explicit_ctx`: n_ctx came from the command line (then above the trained context is an error)."""
+    # the other processes' load is measured from here to after the model loaded
+    threads = ThreadFit(thread_count(profile.n_threads), thread_count(profile.n_threads_batch))
     info = resolve_model(profile, report)
     profile, warning = effective_profile(fit_trained_context(profile, info, explicit_ctx, report))
     plan = plan_for(profile, info, report)
-    engine = Engine(engine_config(profile, info, plan.n_ctx, verbose))
+    engine = Engine(engine_config(profile, info, plan.n_ctx, verbose, threads.cores))
     try:
         fmt = chat_format(engine)
     except ModelError:
@@ -148,5 +162,7 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
         said = fmt.set_thinking(profile.think)
         if not said.startswith("thinking:"):
             report(f"localchat: think: {profile.think}: {said}")
-    chat = ChatSession(engine, fmt, chat_settings(profile, builtin_system(info.path)))
-    return Runtime(profile, info, plan, engine, chat, warning)
+    chat = ChatSession(engine, fmt, chat_settings(profile))
+    rt = Runtime(profile, info, plan, engine, chat, warning, threads)
+    rt.refit_threads(min_window=0.25)
+    return rt

@@ -103,11 +103,14 @@ class SessionControl:
         """One exchange; `started`: when the user pressed Enter (perf_counter), for the TTFT. A prefix
         loaded from disk is part of the wait for the first token."""
         started = time.perf_counter() if started is None else started
+        self.rt.refit_threads()  # other programs may have started or stopped since the last turn
         cache = self.prefix_cache
         if cache is not None:
             cache.load(self.chat)
         on_prefix = cache.snapshot if cache is not None else None
-        return self.chat.turn(text, on_text, cancelled, progress, started, on_prefix=on_prefix, on_thought=on_thought)
+        st = self.chat.turn(text, on_text, cancelled, progress, started, on_prefix=on_prefix, on_thought=on_thought)
+        st.extra["threads"], st.extra["threads_batch"] = self.rt.engine.threads
+        return st
 
     def after_turn(self, st: TurnStats) -> None:
         """Persist the transcript now (fsync); the KV when its copy fits the autosave budget."""

@@ -144,7 +144,10 @@ def _profile(ctx: CommandContext, arg: str) -> str:
     shown = [k for k in SETTING_KEYS if k not in ("model", "system")]  # the plan names the model
     head = [f"profile {p.name} ({p.source})", "  " + ", ".join(f"{k}={getattr(p, k)}" for k in shown)]
     rt = ctx.ctl.rt
-    return "\n".join(head + ["  " + line for line in planmod.describe(rt.plan, rt.engine.buffers)])
+    decode, batch = rt.engine.threads
+    why = f" ({rt.threads_why})" if rt.threads_why else ""
+    threads = f"  threads: {decode} per token, {batch} per prompt batch{why}"
+    return "\n".join(head + [threads] + ["  " + line for line in planmod.describe(rt.plan, rt.engine.buffers)])
 
 
 def _pin(ctx: CommandContext, arg: str) -> str:

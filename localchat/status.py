@@ -43,10 +43,21 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.0f} MiB"
 
 
+def _reply_parts(st: TurnStats) -> list[str]:
+    """What the reply was made of, where it tells something: thoughts apart, drafts verified."""
+    parts = []
+    if st.extra.get("reasoning_tokens"):
+        parts.append(f"thought {st.extra['reasoning_tokens']} of {st.reply_tokens} tokens")
+    if st.extra.get("draft_tokens"):
+        parts.append(f"drafts {100 * st.extra['accepted_tokens'] / st.extra['draft_tokens']:.0f}% accepted")
+    return parts
+
+
 def summary_line(st: TurnStats) -> str:
     """One line per turn on stderr in line mode; the same numbers as --stats-json."""
     parts = [f"[turn {st.turn}] cached {st.cached_tokens}, recomputed {st.recomputed_tokens} (new {st.new_tokens})",
-             f"ctx {st.ctx_used}/{st.n_ctx}", f"TTFT {st.ttft_s:.2f}s", f"{st.decode_tps:.1f} tok/s"]
+             f"ctx {st.ctx_used}/{st.n_ctx}", f"TTFT {st.ttft_s:.2f}s", f"{st.decode_tps:.1f} tok/s",
+             *_reply_parts(st)]
     if st.shifted_tokens:
         parts.append(f"shifted {st.shifted_tokens}")
     if st.kv_restored:
@@ -72,6 +83,7 @@ def toolbar(s: BarState) -> Fragments:
         style = "class:bar.miss" if st.cache_miss else "class:bar.hit"
         frags += [(style, f" cached {st.cached_tokens} recomputed {st.recomputed_tokens} "),
                   ("class:bar", f"| TTFT {st.ttft_s:.2f}s | {st.decode_tps:.1f} tok/s ")]
+        frags += [("class:bar", f"| {part} ") for part in _reply_parts(st)]
         if st.cache_miss and st.miss_cause:
             frags.append(("class:bar.miss", f"| MISS: {st.miss_cause} "))
         if st.shifted_tokens or st.turns_left_window:

@@ -2,7 +2,8 @@
 in another language than the question's, for the cpu profile and variants of it.
 
 Each question starts from an empty chat (`/undo` after each); each variant runs with several seeds.
-20 questions in English, 6 in French, Spanish and German. A reply loops when it stops at the token
+20 questions in English, 6 in French, Spanish and German, then a 3-turn chat in English about
+foreign capitals. A reply loops when it stops at the token
 cap with a 4-word sequence repeated 3 times or more; its language is the one (English, French,
 Spanish, German) whose common function words it uses most.
 
@@ -36,6 +37,8 @@ QUESTIONS = [("en", q) for q in (
     ("es", "¿Cómo puedo ahorrar dinero en el supermercado?"), ("es", "¿Por qué el cielo es azul?"),
     ("de", "Wie mache ich eine gute Tasse Tee?"), ("de", "Was ist der Unterschied zwischen Wetter und Klima?"),
 ]
+# a short chat in English whose follow-ups name foreign places: where the demo model drifted into French
+FOLLOW_UPS = [["What is the capital of France?", "And of Germany?", "And of Spain?"]]
 FUNCTION_WORDS = {
     "en": {"the", "is", "and", "to", "of", "you", "it", "in", "that", "for", "your", "are", "with", "can"},
     "fr": {"le", "la", "les", "est", "et", "des", "une", "du", "vous", "pour", "que", "dans", "pas", "sur"},
@@ -50,6 +53,10 @@ VARIANTS = {
     "DRY 0.8": "extends: cpu\n" + NONE + "repeat_penalty: 1.0\ndry_multiplier: 0.8\n",
     "repeat penalty 1.15": "extends: cpu\n" + NONE + "repeat_penalty: 1.15\ndry_multiplier: 0\n",
     "repeat penalty 1.1 + DRY 0.8": "extends: cpu\n" + NONE + "repeat_penalty: 1.1\ndry_multiplier: 0.8\n",
+    "repeat penalty 1.1, system: reply in English unless": "extends: cpu\nsystem: \"You are a helpful assistant. "
+    "Reply in English unless the user writes in another language.\"\n",
+    "repeat penalty 1.1, system: answer briefly": "extends: cpu\nsystem: \"You are a helpful assistant. "
+    "Answer briefly.\"\n",
     "shipped cpu profile": "extends: cpu\n",
 }
 
@@ -68,12 +75,14 @@ def language(text: str) -> str:
     return best if counts[best] >= 3 else "?"
 
 
-def run(profile_text: str, seed: int, home: str) -> list[dict]:
+def run(profile_text: str, seed: int, home: str, chats_only: bool = False) -> list[dict]:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(profile_text)
     session = f"b{abs(hash(profile_text)) % 10**8}-{seed}"
     stats = Path(home) / f"{session}.jsonl"
-    lines = "".join(q + "\n/undo\n" for _, q in QUESTIONS)
+    singles = [] if chats_only else QUESTIONS
+    lines = "".join(q + "\n/undo\n" for _, q in singles) + "".join("\n".join(c) + "\n" for c in FOLLOW_UPS)
+    asked = singles + [("en+", q) for chat in FOLLOW_UPS for q in chat]  # en+: a turn of a chat
     subprocess.run([sys.executable, "-m", "localchat", "--profile", f.name, "--seed", str(seed), "--session", session,
                     "--stats-json", str(stats), "--threads", str(THREADS)], input=lines, capture_output=True, text=True,
                    env={**os.environ, "LOCALCHAT_HOME": home}, timeout=1800, check=True)
@@ -83,26 +92,29 @@ def run(profile_text: str, seed: int, home: str) -> list[dict]:
     turns = [json.loads(x) for x in stats.read_text().splitlines()]
     return [{"question": q, "reply": text[:300], "stop": st["stop_reason"], "tokens": st["reply_tokens"],
              "loops": st["stop_reason"] == "max_tokens" and loops(text), "asked_in": lang,
-             "wrong_language": language(text) not in (lang, "?")}
-            for (lang, q), text, st in zip(QUESTIONS, replies, turns)]
+             "wrong_language": language(text) not in (lang.rstrip("+"), "?")}
+            for (lang, q), text, st in zip(asked, replies, turns)]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--variant", nargs="*", default=list(VARIANTS))
+    p.add_argument("--chats-only", action="store_true", help="only the chat in English, not the single questions")
     args = p.parse_args()
     home = tempfile.mkdtemp(prefix="lc-behave-")
     out = {}
     for name in args.variant:
-        rows = [row for seed in range(1, args.seeds + 1) for row in run(VARIANTS[name], seed, home)]
+        rows = [row for seed in range(1, args.seeds + 1) for row in run(VARIANTS[name], seed, home, args.chats_only)]
         out[name] = {"replies": len(rows), "looping_to_the_cap": sum(r["loops"] for r in rows),
                      "wrong_language": sum(r["wrong_language"] for r in rows),
                      "wrong_language_of_english": sum(r["wrong_language"] for r in rows if r["asked_in"] == "en"),
+                     "wrong_language_in_chats": sum(r["wrong_language"] for r in rows if r["asked_in"] == "en+"),
                      "at_the_cap": sum(r["stop"] == "max_tokens" for r in rows),
                      "examples": [r for r in rows if r["loops"] or r["wrong_language"]][:4]}
         print(f"{name}: {out[name]['looping_to_the_cap']} looping, {out[name]['wrong_language']} in another "
-              f"language than the question's ({out[name]['wrong_language_of_english']} of English ones), "
+              f"language than the question's ({out[name]['wrong_language_of_english']} of English ones, "
+              f"{out[name]['wrong_language_in_chats']} in English chats), "
               f"of {len(rows)}", file=sys.stderr)
     print(json.dumps(out, indent=1))
     return 0

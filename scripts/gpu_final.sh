@@ -4,11 +4,15 @@
 # 10-minute commands on one warm machine:
 #   bash scripts/gpu_final.sh memory OUTDIR   # build + models, a fine n_ctx sweep, the 8B shape on simulated cards
 #   bash scripts/gpu_final.sh idle OUTDIR     # the 7B shape on simulated cards, bench --typing (both), --reasoning (8B)
+#   bash scripts/gpu_final.sh decode OUTDIR   # build + the 8B shape, bench --decode against llama-bench, verify cost
 # A phase finds the build and the models of an earlier one on the same machine, else makes them.
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-if [ ! -f /tmp/lcgpu/env.sh ] || [ ! -f /tmp/lcgpu/models/8b-gqa.gguf ] || [ ! -f /tmp/lcgpu/models/7b-mha.gguf ]; then
+[ "$PHASE" = decode ] && export MODELS=${MODELS:-8b-gqa}  # one model: the build and it fit with the runs
+NEED=${MODELS:-"7b-mha 8b-gqa"}
+have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
+if [ ! -f /tmp/lcgpu/env.sh ] || ! have_models; then
   bash scripts/gpu_prepare.sh > "$OUT/prepare-$PHASE.log" 2>&1 || { tail -20 "$OUT/prepare-$PHASE.log"; exit 1; }
 fi
 echo "ready at $(( $(date +%s) - t0 )) s"
@@ -34,6 +38,13 @@ case $PHASE in
     timeout 45 python3 -m localchat bench --reasoning --profile h200 --model $M/8b-gqa.gguf --repeat 3 \
       --json "$OUT/reasoning-8b.json" > /dev/null 2> "$OUT/reasoning-8b.err"
     echo "reasoning at $(( $(date +%s) - t0 )) s"
+    ;;
+  decode)
+    timeout 240 python3 -m localchat bench --decode --profile h200 --model $M/8b-gqa.gguf --repeat 3 \
+      --llama-bench $B/llama-bench --json "$OUT/decode-8b.json" 2> "$OUT/decode-8b.err" | tee "$OUT/decode-8b.txt"
+    echo "decode at $(( $(date +%s) - t0 )) s"
+    timeout 120 python3 scripts/verify_cost.py $M/8b-gqa.gguf --tokens 256 > "$OUT/verify-8b.json" 2> "$OUT/verify-8b.err"
+    echo "verify cost at $(( $(date +%s) - t0 )) s"
     ;;
 esac
 ls -la "$OUT"

@@ -37,3 +37,21 @@ def test_bench_modes_evaluate_the_same_tokens(tmp_path):
     assert resume["chosen"] in ("restore", "re-prefill") and resume["tokens"] > 64
     assert resume["restore_first_token_s"] > resume["load_s"] > 0 and resume["reprefill_first_token_s"] > 0
     assert summary["decode_path_host_overhead_mb"] <= 200  # no n_batch x n_vocab array on the host
+
+
+def test_decode_bench_gives_the_same_replies_with_drafts_and_load_bench_reads_the_load(tmp_path):
+    out = tmp_path / "decode.json"
+    r = run_cli(["bench", "--decode", "--load", "--repeat", "1", "--reply-tokens", "32", "--json", str(out)],
+                timeout=900)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    repetitive, novel = result["decode"]["workloads"]["repetitive"], result["decode"]["workloads"]["not repetitive"]
+    assert repetitive["identical_replies"] and novel["identical_replies"]  # drafts never change a greedy reply
+    assert repetitive["acceptance"]["on"] > 0.5  # the reply quotes the pasted notice: most drafts hold
+    assert repetitive["acceptance"]["off"] is None
+    load = result["load"]
+    cores = load["usable_cores"]
+    assert set(load["busy"]) == {str(b) for b in {0, 1, cores}}
+    assert load["busy"]["0"]["auto_threads"] == [cores]  # nothing else runs: every core
+    assert load["busy"][str(cores)]["auto_threads"] == [1]  # every core busy: one thread, never none
+    assert "decode with drafts from the conversation" in r.stdout and "busy background processes" in r.stdout

@@ -93,7 +93,7 @@ def test_unknown_profile_suggests_a_name():
 
 
 def test_command_line_overrides_are_checked():
-    with pytest.raises(ProfileError, match="--n-ctx: 12 is out of range"):
+    with pytest.raises(ProfileError, match="--ctx: 12 is out of range"):
         profiles.with_overrides(profiles.load("cpu"), n_ctx=12)
     assert profiles.with_overrides(profiles.load("cpu"), n_ctx=1024, seed=None).n_ctx == 1024
 

@@ -129,7 +129,7 @@ def context_params(config: EngineConfig) -> lc.llama_context_params:
     params.n_batch = config.n_batch
     params.n_ubatch = min(config.n_ubatch, config.n_batch)
     params.n_seq_max = 1
-    params.n_threads = params.n_threads_batch = config.threads()
+    params.n_threads, params.n_threads_batch = config.threads(), config.batch_threads()
     params.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
                               else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     params.type_k = KV_TYPES[config.type_k]

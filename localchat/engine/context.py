@@ -9,17 +9,19 @@ from __future__ import annotations
 import codecs
 import ctypes
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 
 import llama_cpp as lc
 
 from localchat.engine.backend import SEQ, buffers, context_params, init_backend, model_params, start_buffer_log
 from localchat.engine.sampling import make_sampler
+from localchat.engine.speculative import Speculation, verify
 from localchat.engine.types import Cancelled, EngineConfig, Generation, PrefillResult, SamplingConfig
+from localchat.engine.vocab import VocabText
 from localchat.errors import ModelError
 
 
-class Engine:
+class Engine(VocabText):
     def __init__(self, config: EngineConfig):
         init_backend(config.verbose)
         self.config = config
@@ -36,6 +38,7 @@ class Engine:
             lc.llama_model_free(self.model)
             raise ModelError("llama.cpp could not create the context: too little memory for this n_ctx/KV type? "
                              "(see 'localchat plan'; --verbose shows llama.cpp's log)")
+        self.threads = (config.threads(), config.batch_threads())
         self.mem = lc.llama_get_memory(self.ctx)
         self.n_ctx = lc.llama_n_ctx(self.ctx)
         self.n_swa = lc.llama_model_n_swa(self.model)
@@ -52,55 +55,6 @@ class Engine:
         self._piece_buf = ctypes.create_string_buffer(256)
 
     # ------------------------------------------------------------------ vocabulary
-    def tokenize(self, text: str, special: bool, add_bos: bool = False) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (lc.llama_token * cap)()
-        n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
-        if n < 0:
-            cap = -n
-            buf = (lc.llama_token * cap)()
-            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
-        return list(buf[:n])
-
-    def piece(self, token: int, special: bool = False) -> bytes:
-        n = lc.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)
-        if n < 0:
-            big = ctypes.create_string_buffer(-n)
-            n = lc.llama_token_to_piece(self.vocab, token, big, -n, 0, special)
-            return big.raw[:n]
-        return self._piece_buf.raw[:n]
-
-    def detokenize(self, tokens: list[int], special: bool = False) -> str:
-        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", errors="replace")
-
-    def is_eog(self, token: int) -> bool:
-        return bool(lc.llama_vocab_is_eog(self.vocab, token))
-
-    @property
-    def add_bos(self) -> bool:
-        return bool(lc.llama_vocab_get_add_bos(self.vocab))
-
-    def meta_bytes(self, key: str) -> bytes | None:
-        """A metadata value as the GGUF stores it (a chat template may be long or not UTF-8)."""
-        size = 1 << 16
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = lc.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-            if n < 0:
-                return None
-            if n < size:
-                return buf.raw[:n]
-            size = n + 1
-
-    def meta(self, key: str) -> str | None:
-        raw = self.meta_bytes(key)
-        return None if raw is None else raw.decode("utf-8", errors="replace")
-
-    def special_text(self, which: str) -> str:
-        tok = {"bos": lc.llama_vocab_bos, "eos": lc.llama_vocab_eos}[which](self.vocab)
-        return self.piece(tok, special=True).decode("utf-8", errors="replace") if tok >= 0 else ""
-
     # ------------------------------------------------------------------ KV bookkeeping
     def pos_min(self) -> int:
         return lc.llama_memory_seq_pos_min(self.mem, SEQ)
@@ -145,13 +99,13 @@ class Engine:
         self.n_kv -= count
 
     # ------------------------------------------------------------------ evaluation
-    def _decode(self, tokens: list[int], start_pos: int, want_logits: bool) -> None:
+    def _decode(self, tokens: list[int], start_pos: int, want_logits: bool, all_logits: bool = False) -> None:
         b = self._batch
         n = len(tokens)
         # whole-slice stores run in C: element by element costs ~0.2 ms per 150 tokens in Python
         self._batch_tokens[:n] = tokens  # type: ignore[assignment]  # ctypes takes a list of ints
         self._batch_pos[:n] = range(start_pos, start_pos + n)  # type: ignore[call-overload]  # and a range
-        ctypes.memset(b.logits, 0, n)
+        ctypes.memset(b.logits, int(all_logits), n)
         if want_logits:
             b.logits[n - 1] = 1
         b.n_tokens = n
@@ -216,47 +170,75 @@ class Engine:
         """Wait for queued evaluation to finish (llama.cpp also books its perf counters here)."""
         lc.llama_synchronize(self.ctx)
 
+    def set_threads(self, decode: int, batch: int) -> None:
+        """CPU threads for one-token steps and for batches, from the next evaluation on."""
+        lc.llama_set_n_threads(self.ctx, decode, batch)
+        self.threads = (decode, batch)
+
     def make_sampler(self, s: SamplingConfig) -> object:
-        return make_sampler(s, self.vocab)
+        return make_sampler(s, self.vocab, self.n_ctx)
 
     def generate(self, sampler, max_tokens: int, gen: Generation, cancelled: Callable[[], bool] | None = None,
-                 inject: Callable[[], list[int]] | None = None) -> Iterator[str]:
+                 inject: Callable[[], list[int]] | None = None,
+                 spec: Speculation | None = None) -> Generator[str, None, None]:
         """Stream reply text after a prefill. Sampled tokens join self.tokens as sampled; the last
         one stays pending (not yet in the KV) until the next prefill evaluates it. `inject`, asked
-        after each token: tokens the reply must go on with (a thought budget's end marker)."""
+        after each token: tokens the reply must go on with (a thought budget's end marker). `spec`:
+        draft from the context's history and verify in batches (not with `inject`)."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        for i in range(max_tokens):
-            tok = lc.llama_sampler_sample(sampler, self.ctx, -1)
-            gen.last_token_at = time.perf_counter()
-            if i == 0:
-                gen.first_token_at = gen.last_token_at
-            self.tokens.append(tok)
-            gen.tokens.append(tok)
-            if self.is_eog(tok):
-                gen.stop_reason = "eog"
-                return
-            text = decoder.decode(self.piece(tok))
-            if text:
-                yield text
-            if i == max_tokens - 1:
-                gen.stop_reason = "max_tokens"
-                return
-            if cancelled and cancelled():
-                gen.stop_reason = "cancelled"
-                return
-            forced = inject() if inject else []
-            if self.n_kv + 1 + len(forced) >= self.n_ctx:
-                gen.stop_reason = "context_full"
-                return
-            self._decode([tok, *forced], self.n_kv, want_logits=True)
-            self.n_kv += 1 + len(forced)
-            if forced:
-                self.tokens.extend(forced)
-                gen.tokens.extend(forced)
-                text = decoder.decode(b"".join(self.piece(t) for t in forced))
+        ahead: list[int] = []  # drawn by a verification batch: all in the KV but the last
+        step: tuple[float, int, int] | None = None  # the step in flight: its start, tokens it hands out, drafted
+        try:
+            for i in range(max_tokens):
+                top = time.perf_counter()
+                if spec and step and len(ahead) <= 1:  # a step ends when its tokens are handed out, UI included
+                    spec.record_step(top - step[0], step[1], step[2])
+                    step = None
+                tok = ahead.pop(0) if ahead else lc.llama_sampler_sample(sampler, self.ctx, -1)
+                evaluated = bool(ahead)  # a kept draft token; the last one drawn is pending like any
+                gen.last_token_at = time.perf_counter()
+                if i == 0:
+                    gen.first_token_at = gen.last_token_at
+                self.tokens.append(tok)
+                gen.tokens.append(tok)
+                if self.is_eog(tok):
+                    gen.stop_reason = "eog"
+                    return
+                text = decoder.decode(self.piece(tok))
                 if text:
                     yield text
-        gen.stop_reason = gen.stop_reason or "max_tokens"
+                if i == max_tokens - 1:
+                    gen.stop_reason = "max_tokens"
+                    return
+                if cancelled and cancelled():
+                    gen.stop_reason = "cancelled"
+                    return
+                if evaluated:
+                    continue
+                forced = inject() if inject else []
+                room = self.n_ctx - self.n_kv - 2 - len(forced)
+                if room < 0:
+                    gen.stop_reason = "context_full"
+                    return
+                draft = spec.draft(self.tokens, min(room, max_tokens - 2 - i)) if spec and not inject else []
+                if draft:
+                    ahead = verify(self, sampler, tok, draft, spec)  # type: ignore[arg-type]
+                    step = (top, len(ahead), len(draft))
+                    continue
+                self._decode([tok, *forced], self.n_kv, want_logits=True)
+                self.n_kv += 1 + len(forced)
+                step = (top, 1, 0)
+                if forced:
+                    self.tokens.extend(forced)
+                    gen.tokens.extend(forced)
+                    text = decoder.decode(b"".join(self.piece(t) for t in forced))
+                    if text:
+                        yield text
+            gen.stop_reason = gen.stop_reason or "max_tokens"
+        finally:
+            if self.n_kv > len(self.tokens):  # stopped with kept draft tokens not handed out: not in the reply
+                lc.llama_memory_seq_rm(self.mem, SEQ, len(self.tokens), -1)
+                self.n_kv = len(self.tokens)
 
     # ------------------------------------------------------------------ counters and state
     def perf(self) -> dict[str, float]:

@@ -12,7 +12,7 @@ from localchat.engine.types import SamplingConfig
 _DRY_BREAKERS = ("\n", ":", "\"", "*")
 
 
-def make_sampler(s: SamplingConfig, vocab: object) -> object:
+def make_sampler(s: SamplingConfig, vocab: object, n_ctx: int) -> object:
     """llama.cpp's sampler chain for these settings, in llama.cpp's own order: penalties, DRY, then
     top-k, top-p, min-p, temperature and the draw (greedy at temperature 0)."""
     chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
@@ -23,7 +23,9 @@ def make_sampler(s: SamplingConfig, vocab: object) -> object:
     if s.dry_multiplier > 0:
         breakers = (ctypes.c_char_p * len(_DRY_BREAKERS))(*(b.encode() for b in _DRY_BREAKERS))
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dry(
-            vocab, s.dry_multiplier, s.dry_base, s.dry_allowed_length, s.dry_penalty_last_n, breakers,
+            # -1 must be spelled out: this API has lost the context size it once took, and DRY reads -1 as none
+            vocab, s.dry_multiplier, s.dry_base, s.dry_allowed_length,
+            s.dry_penalty_last_n if s.dry_penalty_last_n >= 0 else n_ctx, breakers,
             len(_DRY_BREAKERS)))
     if s.temperature <= 0:
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())

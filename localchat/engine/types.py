@@ -11,7 +11,8 @@ class EngineConfig:
     model_path: str
     n_ctx: int = 4096
     n_gpu_layers: int = 0
-    n_threads: int = 0  # 0: all cores
+    n_threads: int = 0  # one-token steps; 0: all logical CPUs (the runtime passes its choice)
+    n_threads_batch: int = 0  # prompt batches; 0: as n_threads
     flash_attn: bool = True
     type_k: str = "f16"
     type_v: str = "f16"
@@ -22,6 +23,9 @@ class EngineConfig:
 
     def threads(self) -> int:
         return self.n_threads or os.cpu_count() or 1
+
+    def batch_threads(self) -> int:
+        return self.n_threads_batch or self.threads()
 
 
 @dataclass(frozen=True)

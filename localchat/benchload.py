@@ -1,0 +1,88 @@
+"""`localchat bench --load`: decode speed beside busy background processes, the auto thread count
+against every fixed one, the runs interleaved.
+
+Each round starts 0, 1 and N (the usable cores) processes that spin on a core, as a build or an
+indexer would, then decodes the same greedy reply with `n_threads: auto` (the gauge reads the load
+afresh, as at the start of a turn) and with each fixed count.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from localchat import runtime
+from localchat.engine import Generation, SamplingConfig
+from localchat.profiles import Profile
+from localchat.threads import ThreadFit
+
+PROMPT = "The history of bread begins with wild grains ground between stones and baked on hot ashes. "
+
+
+def _spinners(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def _decode_rate(rt: runtime.Runtime, prompt: list[int], reply_tokens: int) -> float:
+    """Tokens a second of one greedy reply after `prompt` (its prefill not counted)."""
+    e = rt.engine
+    e.clear()
+    e.prefill(prompt)
+    gen = Generation(tokens=[])
+    sampler = e.make_sampler(SamplingConfig(temperature=0))
+    start = time.perf_counter()
+    for _ in e.generate(sampler, reply_tokens, gen):
+        pass
+    return len(gen.tokens) / (time.perf_counter() - start)
+
+
+def run_load(profile: Profile, repeat: int, reply_tokens: int, report: Callable[[str], None]) -> dict[str, Any]:
+    rt = runtime.open_runtime(profile, lambda _: None)
+    try:
+        fit = rt.threads or ThreadFit(0, 0)
+        cores = fit.cores
+        fixed = sorted({1, max(1, cores // 2), cores})
+        prompt = rt.engine.tokenize(PROMPT * 4, special=False)
+        out: dict[str, Any] = {"model": rt.model.name, "usable_cores": cores, "reply_tokens": reply_tokens,
+                               "repeat": repeat, "busy": {}}
+        for busy in sorted({0, 1, cores}):
+            spinners = _spinners(busy)
+            try:
+                time.sleep(0.5)  # the spinners get going
+                rates: dict[str, list[float]] = {m: [] for m in ["auto", *map(str, fixed)]}
+                chosen: list[int] = []
+                for r in range(repeat):
+                    for mode in rates:
+                        report(f"bench --load: {busy} busy, threads {mode}, run {r + 1}/{repeat}")
+                        if mode == "auto":
+                            n = ThreadFit(0, 0, cores).choose(min_window=0.5).decode
+                            chosen.append(n)
+                        else:
+                            n = int(mode)
+                        rt.engine.set_threads(n, n)
+                        rates[mode].append(_decode_rate(rt, prompt, reply_tokens))
+            finally:
+                for p in spinners:
+                    p.kill()
+                    p.wait()
+            med = {m: round(statistics.median(v), 1) for m, v in rates.items()}
+            best = max((m for m in med if m != "auto"), key=lambda m: med[m])
+            out["busy"][str(busy)] = {"decode_tps": med, "runs": rates, "auto_threads": chosen, "best_fixed": best,
+                                      "auto_over_best": round(med["auto"] / med[best], 3)}
+        return out
+    finally:
+        rt.close()
+
+
+def summary(result: dict[str, Any]) -> list[str]:
+    lines = [f"decode with busy background processes ({result['usable_cores']} usable cores, "
+             f"{result['reply_tokens']} tokens, medians of {result['repeat']})"]
+    for busy, part in result["busy"].items():
+        rates = ", ".join(f"{m}: {v}" for m, v in part["decode_tps"].items())
+        lines.append(f"  {busy} busy: tok/s {rates}; auto chose {part['auto_threads']}, "
+                     f"{part['auto_over_best']}x the best fixed ({part['best_fixed']} threads)")
+    return lines

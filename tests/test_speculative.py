@@ -1,0 +1,176 @@
+"""Speculative decoding from the context's own history: the same replies, fewer steps."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections import Counter
+
+import llama_cpp as lc
+
+from localchat.chat import ChatSession, ChatSettings
+from localchat.engine import Generation, SamplingConfig
+from localchat.engine.backend import SEQ
+from localchat.engine.speculative import PROBE_EVERY, Speculation
+from localchat.runtime import chat_format
+from tests.conftest import make_engine, run_cli
+
+NOTE = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+        "they agreed to fund the children's section, the reading room and the archive, but not the cafe. ")
+QUESTIONS = ["Here is a note: " + NOTE * 2 + "\nRepeat the note word for word.", "Now repeat it again exactly.",
+             "Say it once more."]
+
+
+def _chat(engine, speculate: str, temperature: float = 0.0, seed: int = 7, max_tokens: int = 96) -> ChatSession:
+    engine.clear()
+    return ChatSession(engine, chat_format(engine), ChatSettings(
+        max_tokens=max_tokens, speculate=speculate, sampling=SamplingConfig(temperature=temperature, seed=seed)))
+
+
+def _kv_consistent(e) -> None:
+    assert e.n_kv <= len(e.tokens) <= e.n_kv + 1  # at most the last token pending
+    assert lc.llama_memory_seq_pos_max(e.mem, SEQ) == e.n_kv - 1  # no rejected draft left in the KV
+
+
+def test_greedy_replies_are_token_identical_with_drafts_and_take_fewer_steps(demo_engine):
+    plain = _chat(demo_engine, "off")
+    plain_stats = [plain.turn(q) for q in QUESTIONS]
+    drafted = _chat(demo_engine, "on")
+    stats = [drafted.turn(q) for q in QUESTIONS]
+    _kv_consistent(demo_engine)
+    assert [m.tokens for m in drafted.conv.messages] == [m.tokens for m in plain.conv.messages]
+    assert sum(st.extra["accepted_tokens"] for st in stats) > 40  # the reply quotes the note: drafts hold
+    # each kept draft token is one single-token step fewer (llama.cpp's own decode counter)
+    assert sum(st.llama_eval for st in stats) < sum(st.llama_eval for st in plain_stats) - 40
+    assert [st.llama_prompt_eval for st in stats] == [st.llama_prompt_eval for st in plain_stats]
+
+
+def _draws(engine, prompt: list[int], seeds: range, spec_on: bool) -> tuple[Counter, int, int]:
+    """The 2nd and 3rd tokens after `prompt` (the first drafted positions), one reply per seed."""
+    seen: Counter = Counter()
+    drafted = accepted = 0
+    for seed in seeds:
+        engine.prefill(prompt)
+        sampler = engine.make_sampler(SamplingConfig(temperature=2.0, top_k=8, top_p=1.0, min_p=0.0, seed=seed))
+        spec = Speculation("on") if spec_on else None
+        gen = Generation(tokens=[])
+        for _ in engine.generate(sampler, 3, gen, spec=spec):
+            pass
+        seen[tuple(gen.tokens[1:3])] += 1
+        if spec:
+            drafted, accepted = drafted + spec.drafted, accepted + spec.accepted
+    return seen, drafted, accepted
+
+
+def test_sampled_replies_keep_their_distribution(demo_engine):
+    """At temperature > 0 a draft token is kept where the sampler draws it and a rejected position is
+    drawn from the rest: the replies follow the distribution they have without drafts."""
+    demo_engine.clear()
+    prompt = demo_engine.tokenize(NOTE * 2 + "The committee met on", special=False)
+    plain, _, _ = _draws(demo_engine, prompt, range(1, 301), spec_on=False)
+    drafted, n_drafted, n_accepted = _draws(demo_engine, prompt, range(1001, 1301), spec_on=True)
+    assert 0.3 < n_accepted / n_drafted < 0.95  # both branches of the rule ran: drafts kept and rejected
+    top = plain.most_common(1)[0][0]  # the continuation the drafts propose
+    p1, p2, n = plain[top] / 300, drafted[top] / 300, 300
+    pooled = (p1 + p2) / 2
+    z = (p2 - p1) / math.sqrt(2 * pooled * (1 - pooled) / n)
+    assert abs(z) < 4, (p1, p2)  # keeping every draft would make p2 near 1 (z above 10)
+    total_variation = sum(abs(plain[k] - drafted[k]) for k in set(plain) | set(drafted)) / 600
+    assert total_variation < 0.4  # two plain runs of 300 differ by about 0.25 here
+
+
+def test_undo_resume_and_a_stop_mid_draft_keep_the_kv_exact(demo_engine):
+    e = demo_engine
+    plain = _chat(e, "off")
+    for q in QUESTIONS[:2]:
+        plain.turn(q)
+    chat = _chat(e, "on")
+    chat.turn(QUESTIONS[0])
+    saved, saved_tokens, saved_conv = bytes(e.state_bytes()), e.tokens[:e.n_kv], copy.deepcopy(chat.conv)
+    chat.turn("Something else entirely: name three colours.")
+    chat.undo()
+    chat.turn(QUESTIONS[1])
+    assert [m.tokens for m in chat.conv.messages] == [m.tokens for m in plain.conv.messages]
+    resumed = _chat(e, "on")
+    assert e.load_state(saved, saved_tokens)
+    resumed.adopt(saved_conv)
+    resumed.turn(QUESTIONS[1])
+    assert [m.tokens for m in resumed.conv.messages] == [m.tokens for m in plain.conv.messages]
+    # Ctrl-C while a verified draft is ahead of what was shown: the KV holds exactly the reply kept
+    stopped = _chat(e, "on")
+    stopped.turn(QUESTIONS[0])
+    count = [0]
+
+    def cancel_soon() -> bool:
+        count[0] += 1
+        return count[0] > 5
+
+    st = stopped.turn(QUESTIONS[1], cancelled=cancel_soon)
+    assert st.cut and st.extra["draft_tokens"] > 0
+    _kv_consistent(e)
+    assert e.tokens == stopped.conv.window_tokens()
+
+
+def test_the_ngram_index_drafts_what_followed_last_time():
+    spec = Speculation("on")
+    spec.slope, spec._kept = 0.01, dict.fromkeys(spec._kept, 100.0)  # drafts that hold, batches that cost nothing
+    history = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
+    assert spec.draft(history, 8) == [4, 5, 9, 9, 1, 2, 3]
+    history += [4, 7, 1, 2, 3]  # the latest continuation of 1 2 3 is now 4 7
+    assert spec.draft(history, 2) == [4, 7]
+    assert spec.draft([8, 8, 8, 6], 4) == []  # a new list is indexed afresh: no 8 8 6 seen before
+
+
+def test_the_draft_is_as_long_as_pays_on_this_machine_and_auto_probes_where_none_pays():
+    history = list(range(1, 21)) + [1, 2, 3, 4]  # a 4-gram match, 16 tokens of continuation
+    gpu, cpu = Speculation("auto"), Speculation("auto")
+    gpu.slope, cpu.slope = 0.12, 0.47  # one more token in a batch: an H200 and the 2-core VM, as measured
+    for spec in (gpu, cpu):
+        spec._kept[4], spec._missed[4] = 9.0, 1.0  # 9 in 10 draft tokens hold
+    assert len(cpu.draft(history, 16)) < len(gpu.draft(history, 16)) <= 16
+    assert cpu.best_length(0.9)[1] > 1.2 and gpu.best_length(0.9)[1] > 2.5
+    hopeless = Speculation("auto")
+    hopeless._kept[4], hopeless._missed[4] = 0.0, 10.0  # nothing has held
+    drafts = [hopeless.draft(history, 16) for _ in range(PROBE_EVERY)]
+    assert drafts[:-1] == [[]] * (PROBE_EVERY - 1) and drafts[-1] == [5]  # then one short probe
+    forced = Speculation("on")
+    forced._kept[4], forced._missed[4] = 0.0, 10.0
+    assert forced.draft(history, 16) == [5]
+    assert Speculation("off").draft(history, 16) == []
+
+
+def test_what_a_draft_teaches():
+    spec = Speculation("auto")
+    spec.record_step(0.010, 1, 0)  # a plain step: one token in 10 ms, its handing out included
+    spec._match = 4
+    spec.record_draft(4, 8)  # 3 of 8 kept, then the next token drawn
+    spec.record_step(0.050, 4, 8)  # that step took 5 plain steps
+    assert spec.drafted == 8 and spec.accepted == 3 and spec.acceptance == 3 / 8
+    assert abs(spec.slope - (0.25 + 0.2 * ((5 - 1) / 8 - 0.25))) < 1e-9  # moved a fifth of the way to 0.5
+    assert spec.acceptance_of(4) == (1 * 0.95 + 3) / (1 * 0.95 + 3 + 1 * 0.95 + 1)
+
+
+def test_sliding_window_models_draft_only_with_the_full_cache(gemma_engine, gemma_path):
+    assert _chat(gemma_engine, "on").speculation is None
+    full = make_engine(gemma_path, n_ctx=1024, swa_full=True)
+    try:
+        assert _chat(full, "on").speculation is not None
+    finally:
+        full.close()
+
+
+def test_stats_json_counts_drafts_and_the_flag_turns_them_off(home, tmp_path, demo_path):
+    stats_on, stats_off = tmp_path / "on.jsonl", tmp_path / "off.jsonl"
+    lines = QUESTIONS[0] + "\n" + QUESTIONS[1] + "\n"
+    on = run_cli(["--no-session", "--temperature", "0", "--max-tokens", "64", "--speculate", "on",
+                  "--stats-json", str(stats_on)], lines, {"LOCALCHAT_HOME": str(home)})
+    off = run_cli(["--no-session", "--temperature", "0", "--max-tokens", "64", "--speculate", "off",
+                   "--stats-json", str(stats_off)], lines, {"LOCALCHAT_HOME": str(home)})
+    assert on.returncode == off.returncode == 0, on.stderr + off.stderr
+    assert on.stdout == off.stdout
+    rows_on = [json.loads(x) for x in stats_on.read_text().splitlines()]
+    rows_off = [json.loads(x) for x in stats_off.read_text().splitlines()]
+    assert all(r["accepted_tokens"] <= r["draft_tokens"] for r in rows_on)
+    assert sum(r["accepted_tokens"] for r in rows_on) > 0 and "% accepted" in on.stderr
+    assert all("draft_tokens" not in r for r in rows_off)

@@ -1,0 +1,94 @@
+"""Threads that fit the machine: the physical cores other processes leave free, re-checked between turns."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from localchat import threads
+from localchat.errors import ProfileError
+from localchat.options import _threads
+from localchat.profiles import thread_count, with_overrides
+from localchat.runtime import load_profile
+
+
+class FakeGauge:
+    def __init__(self, busy: float):
+        self.busy = busy
+
+    def elapsed(self) -> float:
+        return 10.0
+
+    def others_busy(self, min_window: float = 0.0) -> float:
+        return self.busy
+
+
+def test_cpu_lists_and_usable_cores():
+    assert threads._cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert 1 <= threads.usable_cores() <= len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(("busy", "want"), [(0.0, 8), (0.4, 8), (0.6, 7), (1.0, 7), (2.6, 5), (30.0, 1)])
+def test_auto_leaves_the_cores_other_processes_keep_busy(busy, want):
+    choice = threads.ThreadFit(0, 0, cores=8, gauge=FakeGauge(busy)).choose()
+    assert (choice.decode, choice.batch) == (want, want)
+    assert "8 cores" in choice.why
+
+
+def test_fixed_numbers_win_and_batch_threads_may_differ():
+    assert threads.ThreadFit(3, 5, cores=8).choose() == threads.ThreadChoice(3, 5, "")
+    assert not threads.ThreadFit(3, 5, cores=8).auto
+    mixed = threads.ThreadFit(2, 0, cores=8, gauge=FakeGauge(1.0)).choose()
+    assert (mixed.decode, mixed.batch) == (2, 7)
+
+
+def test_a_reading_too_soon_after_the_last_keeps_the_choice():
+    fit = threads.ThreadFit(0, 0, cores=4)
+    first = fit.choose(min_window=0.2)
+    assert fit.choose() is first  # a turn right after the last reading: nothing new to tell
+
+
+def test_profile_and_command_line_take_auto_or_a_number():
+    assert load_profile("cpu", {}).n_threads == "auto"
+    assert thread_count("auto") == 0 and thread_count(3) == 3 and thread_count(0) == 0
+    assert with_overrides(load_profile("cpu", {}), n_threads=2, n_threads_batch="auto").n_threads == 2
+    with pytest.raises(ProfileError, match="--threads: 'many'"):
+        with_overrides(load_profile("cpu", {}), n_threads="many")
+    assert _threads("auto") == "auto" and _threads("4") == 4
+
+
+def test_a_busy_process_takes_a_thread_and_gives_it_back_when_it_stops(home, tmp_path, demo_path):
+    """On the real demo model: beside a process spinning on a core, the chat decodes with one thread
+    fewer; when it has stopped, the next turn takes the core back."""
+    cores = threads.usable_cores()
+    stats = tmp_path / "stats.jsonl"
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    chat = None
+    try:
+        time.sleep(1.0)
+        chat = subprocess.Popen([sys.executable, "-m", "localchat", "--no-session", "--temperature", "0",
+                                 "--max-tokens", "16", "--stats-json", str(stats)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "LOCALCHAT_HOME": str(home)})
+        assert chat.stdin is not None
+        chat.stdin.write("Hello!\n")
+        chat.stdin.flush()
+        deadline = time.time() + 120
+        while not (stats.exists() and stats.read_text().strip()) and time.time() < deadline:
+            time.sleep(0.1)
+        spinner.kill()
+        time.sleep(5.0)  # idle: the next turn's reading is mostly this quiet spell
+        out, err = chat.communicate("Tell me more.\n", timeout=120)
+    finally:
+        spinner.kill()
+        if chat is not None and chat.poll() is None:
+            chat.kill()
+    assert chat.returncode == 0, err
+    first, second = (json.loads(x) for x in stats.read_text().splitlines())
+    assert first["threads"] == first["threads_batch"] == max(1, cores - 1)
+    assert second["threads"] == cores
