@@ -3,7 +3,9 @@ on a reply that repeats the conversation and one that does not, the modes interl
 
 Repetitive: the user pastes a passage of about 300 tokens and asks for it back with one change, as
 when a reply quotes a document or edits pasted code. Not repetitive: a story on a new subject.
-Every mode must give the same greedy reply; the speeds are medians of wall-clock tokens a second.
+The speeds are medians of wall-clock tokens a second. The greedy replies are compared: past 256
+tokens of context llama.cpp computes a one-token step with other kernels than a batch (README:
+Speed), so they may part where two tokens score within rounding; where, is reported.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ def run_decode(profile: Profile, repeat: int, reply_tokens: int, report: Callabl
             out["workloads"][name] = {
                 "decode_tps": med, "runs": rates, "reply_tokens": len(replies["off"]),
                 "identical_replies": all(replies[m] == replies["off"] for m in MODES),
+                "first_difference": {m: next((i for i, (a, b) in enumerate(zip(replies[m], replies["off"])) if a != b),
+                                             None) for m in MODES},
                 "acceptance": {m: round(a / d, 3) if d else None for m, (d, a) in drafts.items()},
                 "over_off": {m: round(med[m] / med["off"], 3) for m in MODES if med["off"]}}
             if llama_bench:

@@ -80,6 +80,8 @@ class LiveReply:
         self.thought_pieces = 0
         self.app: Application | None = None
         self._drawn = 0.0
+        self._done_text = ""  # the finished blocks of the live tail, laid out once
+        self._done: StyleAndTextTuples = []
 
     # the engine's thread calls these
     def emit(self, text: str) -> None:
@@ -117,8 +119,20 @@ class LiveReply:
         if tail:
             cut = tail.find("\n\n") if len(self.reply) > LIVE_CHARS else -1  # start at a block boundary
             tail = tail[cut + 2:] if cut >= 0 else tail
-            out += _tail_rows(markdown(tail) if self.rendered else [("", tail)], LIVE_ROWS)
+            out += _tail_rows(self._rendered(tail) if self.rendered else [("", tail)], LIVE_ROWS)
         return out
+
+    def _rendered(self, text: str) -> StyleAndTextTuples:
+        """`text` as Markdown; the blocks before its last blank line outside a code block are laid out
+        once and kept, so a redraw lays out only the block the tokens are arriving in."""
+        cut = text.rfind("\n\n")
+        while cut > 0 and text.count("```", 0, cut) % 2:  # inside a code block: an earlier boundary
+            cut = text.rfind("\n\n", 0, cut)
+        done, growing = (text[:cut], text[cut + 2:]) if cut > 0 else ("", text)
+        if done != self._done_text:
+            self._done_text, self._done = done, markdown(done) if done.strip() else []
+        joint: StyleAndTextTuples = [("", "\n\n")] if self._done and growing else []
+        return self._done + joint + (markdown(growing) if growing.strip() else [])
 
     def printed(self) -> list[tuple[StyleAndTextTuples, str]]:
         """What the scrollback gets when the reply ends: (fragments, style) pieces."""

@@ -79,7 +79,7 @@ def usable_cores() -> int:
 
 class LoadGauge:
     """Cores that other processes kept busy since the last reading: the machine's busy time (niced
-    work excluded: it yields to ours) less this process's own."""
+    work excluded: it yields to ours) less this process's own and its children's."""
 
     def __init__(self) -> None:
         self._me = psutil.Process()
@@ -88,8 +88,19 @@ class LoadGauge:
     def _now(self) -> tuple[float, float, float]:
         t = psutil.cpu_times()
         busy = t.user + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+        return time.monotonic(), busy, self._own_seconds()
+
+    def _own_seconds(self) -> float:
+        """CPU time of this process and its children (the template renderer is ours too), live or reaped."""
         own = self._me.cpu_times()
-        return time.monotonic(), busy, own.user + own.system
+        total = own.user + own.system + own.children_user + own.children_system
+        for child in self._me.children(recursive=True):
+            try:
+                t = child.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:  # it ended meanwhile: counted with the reaped ones from now on
+                pass
+        return total
 
     def elapsed(self) -> float:
         return time.monotonic() - self._last[0]

@@ -8,7 +8,7 @@ RUNS=${1:-3}; T=$(mktemp -d); PY=${PYTHON:-python3}
 PROMPT="Write a Markdown guide to baking bread: headings, a numbered list, a table and a Python code block."
 ARGS="--temperature 0 --max-tokens 300 --no-session --ctx 1024"
 ui() {  # ui NAME [FLAGS]: one turn in the terminal UI under tmux, its stats appended to $T/NAME.jsonl
-  local n; n=$(wc -l < "$T/$1.jsonl" 2>/dev/null || echo 0)
+  local n=0; [ -f "$T/$1.jsonl" ] && n=$(wc -l < "$T/$1.jsonl")
   tmux new-session -d -s redraw -x 160 -y 40 "$PY -m localchat $ARGS ${2:-} --stats-json $T/$1.jsonl"
   sleep 4; tmux send-keys -t redraw "$PROMPT" Enter
   while [ "$(wc -l < "$T/$1.jsonl" 2>/dev/null || echo 0)" -le "$n" ]; do sleep 0.2; done
