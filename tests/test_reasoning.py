@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -87,6 +88,7 @@ def test_line_mode_prints_the_answer_and_the_thoughts_only_when_asked(home, r1_m
     shown = run_cli([*args[:-1], "think2", "--show-reasoning"], "What is 2 + 2?\n", {"LOCALCHAT_HOME": str(home)})
     assert shown.stdout.strip() == reply["content"]  # the same reply (temperature 0), its thoughts apart:
     assert f"{reply['reasoning']}\n[turn 1]" in shown.stderr
+    assert re.search(r"thought \d+ of \d+ tokens", hidden.stderr)  # the summary counts thoughts apart
     exported = run_cli(["sessions", "export", "think"], env={"LOCALCHAT_HOME": str(home)}).stdout
     assert "> *reasoning:*" in exported and reply["content"] in exported
 

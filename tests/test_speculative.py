@@ -163,10 +163,11 @@ def test_sliding_window_models_draft_only_with_the_full_cache(gemma_engine, gemm
 def test_stats_json_counts_drafts_and_the_flag_turns_them_off(home, tmp_path, demo_path):
     stats_on, stats_off = tmp_path / "on.jsonl", tmp_path / "off.jsonl"
     lines = QUESTIONS[0] + "\n" + QUESTIONS[1] + "\n"
-    on = run_cli(["--no-session", "--temperature", "0", "--max-tokens", "64", "--speculate", "on",
-                  "--stats-json", str(stats_on)], lines, {"LOCALCHAT_HOME": str(home)})
-    off = run_cli(["--no-session", "--temperature", "0", "--max-tokens", "64", "--speculate", "off",
-                   "--stats-json", str(stats_off)], lines, {"LOCALCHAT_HOME": str(home)})
+    # fixed threads: past 256 tokens llama.cpp's arithmetic follows their number (README: Profiles)
+    common = ["--no-session", "--temperature", "0", "--max-tokens", "48", "--threads", "2"]
+    on = run_cli([*common, "--speculate", "on", "--stats-json", str(stats_on)], lines, {"LOCALCHAT_HOME": str(home)})
+    off = run_cli([*common, "--speculate", "off", "--stats-json", str(stats_off)], lines,
+                  {"LOCALCHAT_HOME": str(home)})
     assert on.returncode == off.returncode == 0, on.stderr + off.stderr
     assert on.stdout == off.stdout
     rows_on = [json.loads(x) for x in stats_on.read_text().splitlines()]
