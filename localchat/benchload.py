@@ -8,6 +8,9 @@ afresh, as at the start of a turn) and with each fixed count.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -23,8 +26,12 @@ from localchat.threads import ThreadFit
 PROMPT = "The history of bread begins with wild grains ground between stones and baked on hot ashes. "
 
 
-def _spinners(n: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+def _spinners(n: int) -> list[int]:
+    """`n` processes spinning on a core, started through a shell that exits at once: like other programs,
+    they are not this process's children (the load gauge counts its children as its own work)."""
+    spin = f'"{sys.executable}" -c "while True: pass" >/dev/null 2>&1 & echo $!'
+    out = subprocess.run(["sh", "-c", "; ".join([spin] * n) or "true"], capture_output=True, text=True, check=True)
+    return [int(pid) for pid in out.stdout.split()]
 
 
 def _decode_rate(rt: runtime.Runtime, prompt: list[int], reply_tokens: int) -> float:
@@ -66,9 +73,9 @@ def run_load(profile: Profile, repeat: int, reply_tokens: int, report: Callable[
                         rt.engine.set_threads(n, n)
                         rates[mode].append(_decode_rate(rt, prompt, reply_tokens))
             finally:
-                for p in spinners:
-                    p.kill()
-                    p.wait()
+                for pid in spinners:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
             med = {m: round(statistics.median(v), 1) for m, v in rates.items()}
             best = max((m for m in med if m != "auto"), key=lambda m: med[m])
             out["busy"][str(busy)] = {"decode_tps": med, "runs": rates, "auto_threads": chosen, "best_fixed": best,

@@ -26,7 +26,7 @@ def profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-layers", type=int, dest="n_gpu_layers", help="layers on the GPU (-1: all)")
     p.add_argument("--kv-type", choices=("f16", "q8_0", "q4_0"), help="KV cache type for K and V")
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--threads", type=_threads, dest="n_threads",
+    p.add_argument("--threads", type=_threads, dest="n_threads", metavar="N|auto",
                    help="CPU threads, or auto (default: the physical cores other work leaves free)")
     p.add_argument("--speculate", choices=("auto", "on", "off"),
                    help="draft from the conversation's own text and verify in batches (auto: where it pays)")
