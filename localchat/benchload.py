@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from localchat import runtime
-from localchat.engine import Generation, SamplingConfig
+from localchat.engine import Engine, Generation, SamplingConfig, Speculation
 from localchat.profiles import Profile
 from localchat.threads import ThreadFit
 
@@ -34,17 +34,18 @@ def _spinners(n: int) -> list[int]:
     return [int(pid) for pid in out.stdout.split()]
 
 
-def _decode_rate(rt: runtime.Runtime, prompt: list[int], reply_tokens: int) -> float:
-    """Tokens a second of one greedy reply after `prompt` (its prefill not counted)."""
-    e = rt.engine
+def greedy_reply(e: Engine, prompt: list[int], reply_tokens: int,
+                 spec: Speculation | None = None) -> tuple[list[int], float]:
+    """One greedy reply after `prompt` from an empty KV: its tokens and the seconds from the first
+    token on (the prefill not counted)."""
     e.clear()
     e.prefill(prompt)
     gen = Generation(tokens=[])
     sampler = e.make_sampler(SamplingConfig(temperature=0))
     start = time.perf_counter()
-    for _ in e.generate(sampler, reply_tokens, gen):
+    for _ in e.generate(sampler, reply_tokens, gen, spec=spec):
         pass
-    return len(gen.tokens) / (time.perf_counter() - start)
+    return gen.tokens, time.perf_counter() - start
 
 
 def run_load(profile: Profile, repeat: int, reply_tokens: int, report: Callable[[str], None]) -> dict[str, Any]:
@@ -71,7 +72,8 @@ def run_load(profile: Profile, repeat: int, reply_tokens: int, report: Callable[
                         else:
                             n = int(mode)
                         rt.engine.set_threads(n, n)
-                        rates[mode].append(_decode_rate(rt, prompt, reply_tokens))
+                        tokens, seconds = greedy_reply(rt.engine, prompt, reply_tokens)
+                        rates[mode].append(len(tokens) / seconds)
             finally:
                 for pid in spinners:
                     with contextlib.suppress(ProcessLookupError):

@@ -35,12 +35,12 @@ class Runtime:
     engine: Engine
     chat: ChatSession
     gpu_warning: str = ""
-    threads: ThreadFit | None = None  # the auto thread count's measurements (None: fixed numbers)
+    threads: ThreadFit | None = None  # the profile's thread settings and, for auto, the load readings
     threads_why: str = ""  # how auto chose the threads in use
 
     def refit_threads(self, min_window: float = 0.0) -> None:
         """Auto threads: as many as the cores other processes leave free now (two reads of /proc)."""
-        if self.threads is None or not self.threads.auto:
+        if self.threads is None or not self.threads.auto:  # fixed numbers: nothing to refit
             return
         choice = self.threads.choose(min_window)
         self.threads_why = choice.why

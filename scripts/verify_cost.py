@@ -16,7 +16,8 @@ import time
 
 import llama_cpp as lc
 
-from localchat.engine import Engine, EngineConfig, Generation, SamplingConfig, Speculation
+from localchat.benchload import greedy_reply
+from localchat.engine import Engine, EngineConfig, Speculation
 from localchat.engine.backend import SEQ
 
 
@@ -33,14 +34,9 @@ class Oracle(Speculation):
 
 
 def _reply(e: Engine, prompt: list[int], n: int, spec: Speculation | None) -> tuple[list[int], float]:
-    e.clear()
-    e.prefill(prompt)
-    gen = Generation(tokens=[])
-    sampler = e.make_sampler(SamplingConfig(temperature=0))
-    t0 = time.perf_counter()
-    for _ in e.generate(sampler, n, gen, spec=spec):
-        pass
-    return gen.tokens, (len(gen.tokens) - 1) / (time.perf_counter() - t0)
+    """The greedy reply's tokens and its tokens a second after the first."""
+    tokens, seconds = greedy_reply(e, prompt, n, spec)
+    return tokens, (len(tokens) - 1) / seconds
 
 
 def main() -> int:
