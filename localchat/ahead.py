@@ -15,6 +15,7 @@ from typing import Protocol
 
 from localchat import official, transcript
 from localchat.conversation import Conversation
+from localchat.documents import Attachments
 from localchat.engine import Engine, PrefillResult
 from localchat.stats import TurnStats
 from localchat.templates import ChatFormat
@@ -28,6 +29,7 @@ class Chat(Protocol):
     conv: Conversation
     events: list[transcript.Record]
     read_ahead: bool
+    docs: Attachments
 
     @property
     def history_mode(self) -> str: ...
@@ -140,27 +142,31 @@ class Ahead:
         cells = -(-(e.n_swa + e.config.n_ubatch) // 256) * 256
         return max(0, cells - e.n_swa - len(self.head) - 64)
 
-    def _target(self) -> list[int]:
+    def _target(self, upto: int | None) -> list[int]:
+        """The KV's goal: the history, the head, attached documents and the message being typed
+        (`upto`: no further than that many tokens)."""
         chat = self.chat
+        words: list[int] = []
         if chat.read_ahead and self.draft and not self.draft.startswith("/"):
-            words = chat.engine.tokenize(stable_text(self.draft), special=False)
-            self.draft_tokens = words[:-1][:self._draft_cap()]  # the last token may merge with what comes next
-        else:
-            self.draft_tokens = []
-        return (self.base + self.draft_tokens)[:max(0, chat.engine.n_ctx - 2)]
+            words = chat.engine.tokenize(stable_text(self.draft), special=False)[:-1]  # the last may merge on
+        docs = chat.docs.tokens() if chat.read_ahead else []
+        self.draft_tokens = (docs + words)[:self._draft_cap()]
+        return (self.base + self.draft_tokens)[:max(0, chat.engine.n_ctx - 2)][:upto]
 
-    def step(self, draft: bool = True) -> bool:
-        """One batch of idle work (with draft=False: the history and the head only); False when the KV
-        already holds everything there is to do."""
+    def step(self, draft: bool = True, upto: int | None = None) -> bool:
+        """One batch of idle work (with draft=False: the history and the head only; `upto`: the KV's goal
+        cut there); False when the KV already holds everything there is to do."""
         if not self.planned:
             self.plan()
             return True
         e = self.chat.engine
         held = e.common_prefix(self.base)
-        # a KV that lost the history (a miss, a changed system prompt) is left to the turn, which says why
-        if (not self.relayouted and held < self.own_from) or (not draft and held == len(self.base)):
+        # a KV that lost the history (a miss, a changed system prompt) is left to the turn, which says why,
+        # unless documents wait behind it (`upto`): reading them now saves the user more than the reason
+        lost = not self.relayouted and held < self.own_from and upto is None
+        if lost or (not draft and held == len(self.base)):
             return False
-        target = self._target() if draft else self.base
+        target = self._target(upto) if draft else self.base
         start = e.common_prefix(target)
         t0 = time.perf_counter()
         n, rewound = e.advance(target, max(1, int(self.tokens_per_s * STEP_SECONDS)))

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from localchat import runtime, sessionctl, status
+from localchat import attaching, runtime, sessionctl, status
 from localchat.stats import TurnStats
 
 
@@ -29,6 +29,8 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         interactive = sys.stdin.isatty() and sys.stdout.isatty()
         # the terminal UI works ahead while the user reads and types; line mode has no such time
         ctl = sessionctl.SessionControl.open(rt, args, _report, background=interactive)
+        for line in attaching.add(rt.chat, args.attach) if args.attach else []:
+            _report(line)
         stats_file = open(args.stats_json, "a", encoding="utf-8") if args.stats_json else None
 
         def after_turn(st: TurnStats) -> None:

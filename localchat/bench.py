@@ -181,10 +181,12 @@ def main(argv: Sequence[str]) -> int:
                    help="decode speed with drafts from the conversation (off, auto, on), repetitive and not")
     p.add_argument("--load", action="store_true",
                    help="decode speed beside 0, 1 and N busy processes: auto threads against each fixed count")
+    p.add_argument("--document", type=int, nargs="?", const=6000, metavar="TOKENS",
+                   help="TTFT of a chat about a document of TOKENS (6000), first and second time (prefix store)")
     args = p.parse_args(argv)
     if args.typing or args.reasoning:
         return _idle_benches(args)
-    if args.load or args.decode:
+    if args.load or args.decode or args.document:
         return _decode_benches(args)
     if args.quick:
         args.turns, args.system_tokens, args.user_tokens, args.reply_tokens = 6, 256, 100, 32
@@ -248,9 +250,12 @@ def _idle_benches(args: argparse.Namespace) -> int:
 
 
 def _decode_benches(args: argparse.Namespace) -> int:
-    """--decode (benchdecode) and --load (benchload): decode speed; JSON to --json, a summary to stdout."""
-    from localchat import benchdecode, benchload
-    profile = runtime.load_profile(args.profile, overrides(args))
+    """--decode, --load, --document (benchdecode, benchload, benchdoc): JSON to --json, a summary to stdout."""
+    from localchat import benchdecode, benchdoc, benchload
+    o = overrides(args)
+    if args.document:
+        o.update(temperature=0.0, max_tokens=args.reply_tokens, n_ctx=o.get("n_ctx") or args.document + 1024)
+    profile = runtime.load_profile(args.profile, o)
     result: dict[str, Any] = {"versions": {"llama_cpp_python": llama_version()}, "cpu_count": os.cpu_count()}
     lines: list[str] = []
     if args.decode:
@@ -260,6 +265,9 @@ def _decode_benches(args: argparse.Namespace) -> int:
     if args.load:
         result["load"] = benchload.run_load(profile, args.repeat or 3, args.reply_tokens * 2, _report)
         lines += benchload.summary(result["load"])
+    if args.document:
+        result["document"] = benchdoc.run_document(profile, args.repeat or 3, args.document, args.reply_tokens, _report)
+        lines += benchdoc.summary(result["document"])
     sys.stderr.write("\n")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

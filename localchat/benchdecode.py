@@ -1,5 +1,6 @@
 """`localchat bench --decode`: decode speed with drafts from the conversation (n-gram) against none,
-on a reply that repeats the conversation and one that does not, the modes interleaved.
+and with the profile's draft model where one is set (`--draft-model`), on a reply that repeats the
+conversation and one that does not, the modes interleaved.
 
 Repetitive: the user pastes a passage of about 300 tokens and asks for it back with one change, as
 when a reply quotes a document or edits pasted code. Not repetitive: a story on a new subject.
@@ -36,11 +37,14 @@ MODES = ("off", "auto", "on")
 
 
 def _reply(rt: runtime.Runtime, mode: str, text: str, reply_tokens: int) -> tuple[list[int], float, int, int, int]:
-    """One greedy reply in a fresh chat: its tokens, wall tokens a second, drafted, accepted, the prompt's size."""
+    """One greedy reply in a fresh chat: its tokens, wall tokens a second, drafted, accepted, the prompt's size.
+    `mode` "draft": auto, with the profile's draft model where the history offers no draft."""
     rt.engine.clear()
-    settings = dataclasses.replace(runtime.chat_settings(rt.profile), speculate=mode, max_tokens=reply_tokens,
-                                   sampling=SamplingConfig(temperature=0))
+    settings = dataclasses.replace(runtime.chat_settings(rt.profile), speculate="auto" if mode == "draft" else mode,
+                                   max_tokens=reply_tokens, sampling=SamplingConfig(temperature=0))
     chat = ChatSession(rt.engine, rt.chat.fmt, settings)
+    if mode == "draft" and chat.speculation is not None:
+        chat.speculation.model = rt.draft
     st = chat.turn(text)
     return (chat.conv.messages[-1].tokens, float(st.extra.get("wall_decode_tps", 0.0)),
             int(st.extra.get("draft_tokens", 0)), int(st.extra.get("accepted_tokens", 0)), st.prompt_tokens)
@@ -53,12 +57,13 @@ def run_decode(profile: Profile, repeat: int, reply_tokens: int, report: Callabl
     try:
         out: dict[str, Any] = {"model": rt.model.name, "threads": rt.engine.threads[0], "reply_tokens": reply_tokens,
                                "repeat": repeat, "workloads": {}}
+        modes = MODES + (("draft",) if rt.draft else ())
         for name, text in WORKLOADS.items():
-            rates: dict[str, list[float]] = {m: [] for m in MODES}
+            rates: dict[str, list[float]] = {m: [] for m in modes}
             replies: dict[str, list[int]] = {}
-            drafts: dict[str, list[int]] = {m: [0, 0] for m in MODES}
+            drafts: dict[str, list[int]] = {m: [0, 0] for m in modes}
             for r in range(repeat):
-                for mode in MODES:
+                for mode in modes:
                     report(f"bench --decode: {name}, speculation {mode}, run {r + 1}/{repeat}")
                     tokens, tps, drafted, accepted, depth = _reply(rt, mode, text, reply_tokens)
                     replies.setdefault(mode, tokens)
@@ -68,15 +73,15 @@ def run_decode(profile: Profile, repeat: int, reply_tokens: int, report: Callabl
             med = {m: round(statistics.median(v), 1) for m, v in rates.items()}
             out["workloads"][name] = {
                 "decode_tps": med, "runs": rates, "reply_tokens": len(replies["off"]),
-                "identical_replies": all(replies[m] == replies["off"] for m in MODES),
+                "identical_replies": all(replies[m] == replies["off"] for m in modes),
                 "first_difference": {m: next((i for i, (a, b) in enumerate(zip(replies[m], replies["off"])) if a != b),
-                                             None) for m in MODES},
+                                             None) for m in modes},
                 "acceptance": {m: round(a / d, 3) if d else None for m, (d, a) in drafts.items()},
-                "over_off": {m: round(med[m] / med["off"], 3) for m in MODES if med["off"]}}
+                "over_off": {m: round(med[m] / med["off"], 3) for m in modes if med["off"]}}
             if llama_bench:
                 tg = run_llama_bench(llama_bench, rt.engine.config, depth, reply_tokens)
                 out["workloads"][name]["llama_bench"] = {"depth": depth, "tg_tps": tg, "over_llama_bench": {
-                    m: round(med[m] / tg, 3) for m in MODES}}
+                    m: round(med[m] / tg, 3) for m in modes}}
         return out
     finally:
         rt.close()

@@ -10,9 +10,10 @@ from datetime import datetime
 from localchat import overflow, reasoning, replystream, transcript
 from localchat.ahead import Ahead
 from localchat.conversation import Conversation, Message
+from localchat.documents import Attachments
 from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig, Speculation, prime_sampler
 from localchat.errors import ContextFullError
-from localchat.stats import TurnStats
+from localchat.stats import TurnStats, miss_cause
 from localchat.templates import ChatFormat
 
 OVERFLOW_POLICIES = ("auto", "shift", "rebuild", "stop")
@@ -42,6 +43,8 @@ class ChatSession:
         self.history: list[TurnStats] = []
         self.kv_restored = False  # set when the KV came from disk; reported by the next turn
         self.prefix_restored = False  # the system prefix came from the shared prefix cache
+        self.store_tokens = 0  # tokens loaded from the prefix store for the next turn
+        self.docs = Attachments()  # attached, sent with the next message (before its words)
         self.pending_cause = ""  # why the next turn may recompute (state rejected, system changed)
         self._sampler = engine.make_sampler(settings.sampling)
         # a sliding-window cache may lose cells a rejected draft's tail pushed out: exact only with swa_full
@@ -86,25 +89,24 @@ class ChatSession:
         """The next turn's head as the template's delta gives it."""
         return self._delta("")[0]
 
-
     def _delta(self, text: str) -> tuple[list[int], list[int]]:
         """(head, body): the closing of the last reply and the user header; the words and the
         generation prompt. The first exchange's head is the prefix itself."""
         if not any(m.in_window for m in self.conv.messages):
-            t = self.fmt.first_turn(self.conv.system, text)
+            t = self.fmt.first_turn(self.conv.system, "")
             head: list[int] = []
-        elif self.ahead.planned and text:  # the official head, planned after the last reply
-            t = self.fmt.next_turn(self.conv.system, text)
+        elif self.ahead.planned and (text or self.docs.pending):  # the official head, planned after the reply
+            t = self.fmt.next_turn(self.conv.system, "")
             head = list(self.ahead.head)
         else:
-            t = self.fmt.next_turn(self.conv.system, text)
+            t = self.fmt.next_turn(self.conv.system, "")
             before = t.before
             last = self.conv.messages[-1].tokens
             if last and self.engine.is_eog(last[-1]):
                 # the sampled end-of-turn token already closed the reply
                 before = before[len(self.engine.piece(last[-1], special=True).decode("utf-8", "replace")):]
             head = self._tok(before)
-        return head, self._tok(t.user, special=False) + self._tok(t.after)
+        return head, self.docs.tokens() + self._tok(text, special=False) + self._tok(t.after)
 
     # ---------------------------------------------------------------- turns
     def turn(self, text: str, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
@@ -133,14 +135,20 @@ class ChatSession:
         new_len = len(head) + len(body) + (len(self.conv.prefix) if not self.conv.messages else 0)
         window = self.conv.window_tokens()
         own_from, canon_left = self.ahead.at_turn(window)
-        self._record(self.conv.add_user(text, head, body))
+        own_from = max(own_from, self.store_tokens) if self.store_tokens else own_from  # from the store: cached
+        stops = [len(self.conv.prefix)] if not self.conv.messages else []  # where the prefix store may keep the KV
+        stops += self.docs.ends(len(window) + len(head))[-1:]
+        blocks, docs = self.docs.take()
+        user = self.conv.add_user(blocks + text, head, body, docs)
+        user.pinned = bool(docs)  # the conversation about a document keeps it in the window
+        self._record(user)
         prompt = self.conv.window_tokens()
         n_kv_before = e.n_kv
         e.reset_perf()
         gen = Generation(tokens=[])
         st.prompt_tokens, st.new_tokens = len(prompt), new_len
         try:
-            pre = self._prefill(prompt, progress, cancelled, on_prefix)
+            pre = self._prefill(prompt, progress, cancelled, on_prefix, stops)
         except Cancelled:
             self._record(self.conv.add_reply("", [], cut=True))
             st.stop_reason, st.cut = "cancelled", True
@@ -164,7 +172,9 @@ class ChatSession:
         self._record(self.conv.add_reply(text, reply, st.cut, reasoning=out.thought))
         st.extra["reasoning_tokens"] = out.reasoning_tokens
         st.reply_tokens, st.stop_reason = len(reply), gen.stop_reason
-        st.miss_cause = self._miss_cause(st, pre.rewind_refused, n_kv_before)
+        if st.cache_miss and st.turn > 1:
+            st.miss_cause = miss_cause(st, self.pending_cause, pre.rewind_refused, n_kv_before)
+            self.pending_cause = ""
         self.ahead.end_turn()
         return self._finish(st, t0, gen, prompt_eval)
 
@@ -172,17 +182,21 @@ class ChatSession:
         self.events.append(transcript.message(m))
 
     def _prefill(self, prompt: list[int], progress: Progress | None, cancelled: Callable[[], bool] | None,
-                 on_prefix: PrefixHook | None) -> PrefillResult:
-        """Prefill, stopping once at the end of the prefix when a snapshot of it is wanted."""
-        e, prefix = self.engine, self.conv.prefix
-        holds_prefix = e.n_kv >= len(prefix) and e.tokens[:len(prefix)] == prefix
-        if on_prefix is None or holds_prefix or len(prompt) <= len(prefix):
-            return e.prefill(prompt, progress=progress, cancelled=cancelled)
-        first = e.prefill(prefix, progress=progress, cancelled=cancelled)
-        on_prefix(prefix, first.seconds)
-        rest = e.prefill(prompt, progress=progress, cancelled=cancelled)
-        return PrefillResult(first.cached, first.recomputed + rest.recomputed, first.seconds + rest.seconds,
-                             first.first_diff, first.rewind_refused or rest.rewind_refused)
+                 on_prefix: PrefixHook | None, stops: list[int]) -> PrefillResult:
+        """Prefill, stopping where the system prefix and attached documents end (llama.cpp's results vary in
+        the last bits with the batches: stores or not, the same batches), for `on_prefix` to keep their KV."""
+        e = self.engine
+        stops = [n for n in stops if n < len(prompt) and e.common_prefix(prompt[:n]) < n]
+        parts: list[PrefillResult] = []
+        for n in [*stops, len(prompt)]:
+            parts.append(e.prefill(prompt[:n], progress=progress, cancelled=cancelled))
+            evaluated = sum(p.recomputed for p in parts)
+            if n < len(prompt) and on_prefix is not None:
+                on_prefix(prompt[:n], sum(p.seconds for p in parts) * n / max(evaluated, 1))
+        if len(parts) == 1:
+            return parts[0]
+        return PrefillResult(parts[0].cached, sum(p.recomputed for p in parts), sum(p.seconds for p in parts),
+                             parts[0].first_diff, any(p.rewind_refused for p in parts))
 
     def _settle_reply(self, prompt_len: int, gen: Generation, kept_text: str | None) -> list[int]:
         """The reply tokens the history keeps: as sampled, less a stop string or a foreign end token."""
@@ -198,20 +212,6 @@ class ChatSession:
             if not closing.startswith(e.piece(reply[-1], special=True).decode("utf-8", "replace")):
                 e.truncate(len(e.tokens) - 1)  # pending, never evaluated: nothing to rewind
         return e.tokens[prompt_len:]
-
-    def _miss_cause(self, st: TurnStats, rewind_refused: bool, n_kv_before: int) -> str:
-        if not st.cache_miss or st.turn == 1:
-            return ""
-        cause, self.pending_cause = self.pending_cause, ""
-        if cause:
-            return cause
-        if rewind_refused:
-            return "sliding window: the cache no longer holds what a rewind needs"
-        if st.shifted_tokens:
-            return "overflow: the kept window was recomputed"
-        if n_kv_before == 0:
-            return "KV empty (new process or state not restored)"
-        return f"template re-render: prompt differs from the KV at token {st.first_diff}"
 
     def _finish(self, st: TurnStats, t0: float, gen: Generation, prompt_eval: int | None = None) -> TurnStats:
         """`prompt_eval`: llama.cpp's prompt counter read after the prefill (verified drafts add to it)."""
@@ -232,7 +232,8 @@ class ChatSession:
         st.turns_left_window = self.conv.turns_left_window
         st.tokens_left_window = self.conv.tokens_left_window
         st.extra["prefix_cache_hit"] = self.prefix_restored
-        self.kv_restored = self.prefix_restored = False
+        st.extra["prefix_store_tokens"] = self.store_tokens
+        self.kv_restored, self.prefix_restored, self.store_tokens = False, False, 0
         self.history.append(st)
         return st
 
@@ -256,25 +257,26 @@ class ChatSession:
         return False
 
     # ---------------------------------------------------------------- commands
+    def _drop_last(self) -> str:
+        """Forget the last exchange (its documents are attached again); the user's words."""
+        user = self.conv.drop_last_exchange()[0]
+        self.docs.give_back(user)
+        self.events.append(transcript.undo())
+        self.ahead.invalidate()
+        return user.words
+
     def undo(self) -> bool:
         """Drop the last exchange; True when the KV was rewound without recomputing."""
         if not self.conv.turns:
             return False
-        self.conv.drop_last_exchange()
-        self.events.append(transcript.undo())
+        self._drop_last()
         keep = len(self.conv.window_tokens())
         kept = self.engine.can_rewind_to(keep)
         self.engine.truncate(keep)
-        self.ahead.invalidate()
         return kept
 
     def retry(self, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None) -> TurnStats | None:
-        if not self.conv.turns:
-            return None
-        text = self.conv.drop_last_exchange()[0].content
-        self.events.append(transcript.undo())
-        self.ahead.invalidate()
-        return self.turn(text, on_text, cancelled)
+        return self.turn(self._drop_last(), on_text, cancelled) if self.conv.turns else None
 
     def new(self) -> None:
         """Start over; the KV keeps the shared system prefix for the next turn to reuse."""

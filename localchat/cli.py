@@ -11,7 +11,7 @@ from localchat import __version__
 from localchat.errors import LocalchatError
 from localchat.options import overrides, profile_args
 
-SUBCOMMANDS = ("chat", "models", "plan", "sessions", "bench", "profiles")
+SUBCOMMANDS = ("chat", "models", "plan", "sessions", "bench", "profiles", "cache")
 
 
 def _err(text: str) -> None:
@@ -22,7 +22,7 @@ def _err(text: str) -> None:
 def chat_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat", description="Chat with a local GGUF model; the KV cache "
                                 "lives across turns and across runs.",
-                                epilog="subcommands: localchat {models,plan,profiles,sessions,bench} --help")
+                                epilog="subcommands: localchat {models,plan,profiles,sessions,cache,bench} --help")
     p.add_argument("--version", action="version", version=f"localchat {__version__}")
     profile_args(p)
     p.add_argument("--system", "-s", help="system prompt")
@@ -47,6 +47,8 @@ def chat_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-reasoning", action="store_true",
                    help="show a reasoning model's thoughts (line mode: on stderr; the answer alone on stdout)")
     p.add_argument("--raw", action="store_true", help="replies as raw text, not rendered Markdown")
+    p.add_argument("--attach", action="append", metavar="PATH", default=[],
+                   help="a file, directory or glob the first message carries (repeatable)")
     return p
 
 

@@ -1,4 +1,4 @@
-"""The subcommands besides the chat: models, plan, sessions, bench."""
+"""The subcommands besides the chat: models, plan, sessions, cache, profiles, bench."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from localchat import models, profiles, runtime, statefile
+from localchat import models, prefixcache, profiles, runtime, statefile
 from localchat import plan as planmod
 from localchat.errors import ModelError, ProfileError, SessionError
 from localchat.fetch import BUILTIN_MODELS
@@ -139,7 +139,9 @@ def export_markdown(s: SessionStore) -> str:
         lines += [f"**{m.role}**{mark}:", ""]
         if m.reasoning:
             lines += ["> *reasoning:*", *(f"> {line}" for line in m.reasoning.splitlines()), ""]
-        lines += [m.content, ""]
+        if m.documents:
+            lines += ["*attached: " + ", ".join(f"{d['name']} ({d['tokens']:,} tokens)" for d in m.documents) + "*", ""]
+        lines += [m.words, ""]
     return "\n".join(lines)
 
 
@@ -188,6 +190,40 @@ def cmd_sessions(argv: Sequence[str]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- the prefix store
+def cmd_cache(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="localchat cache", description="the prefix store: the saved KV of system "
+                                "prompts and attached documents that new chats start from")
+    p.add_argument("action", nargs="?", default="list", choices=("list", "rm", "clear"))
+    p.add_argument("key", nargs="*", help="rm: keys (or their first characters) as 'cache list' shows them")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    found = prefixcache.entries()
+    if args.action == "list":
+        rows: list[dict[str, Any]] = [{"key": e.key, "size": e.size, "tokens": e.tokens, "documents": e.documents,
+                                       "model": e.model, "last_used": e.used} for e in found]
+        if args.json:
+            print_json(rows)
+            return 0
+        for r in rows:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["last_used"]))
+            what = ", ".join(r["documents"]) or "system prompt"
+            _out(f"{r['key'][:12]}  {r['size'] / 1e6:>8.1f} MB  {r['tokens'] or '?':>7} tok  {when}  "
+                 f"{r['model'] or '-':<24} {what}")
+        _out(f"{len(rows)} states, {sum(r['size'] for r in rows) / 1e6:.1f} MB (capped with sessions' KV by "
+             "max_kv_disk_gb; least recently used go first)")
+        return 0
+    if args.action == "rm" and not args.key:
+        raise SessionError("'cache rm' needs a key from 'localchat cache list'")
+    chosen = found if args.action == "clear" else [e for e in found if any(e.key.startswith(k) for k in args.key)]
+    if args.action == "rm" and not chosen:
+        raise SessionError(f"no stored state with key {' '.join(args.key)} (see 'localchat cache list')")
+    for e in chosen:
+        prefixcache.remove(e)
+    _out(f"removed {len(chosen)} states ({sum(e.size for e in chosen) / 1e6:.1f} MB)")
+    return 0
+
+
 # ---------------------------------------------------------------- profiles
 def cmd_profiles(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="localchat profiles", description="shipped and user profiles")
@@ -226,5 +262,5 @@ def cmd_bench(argv: Sequence[str]) -> int:
 
 def run(name: str, argv: Sequence[str]) -> int:
     return {"models": cmd_models, "plan": cmd_plan, "sessions": cmd_sessions, "bench": cmd_bench,
-            "profiles": cmd_profiles}[name](argv)
+            "profiles": cmd_profiles, "cache": cmd_cache}[name](argv)
 

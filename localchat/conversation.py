@@ -22,12 +22,28 @@ class Message:
     pinned: bool = False  # never leaves the window
     raw: str = ""  # a reply as sampled, special tokens written out (its thoughts, channels); templates get this
     reasoning: str = ""  # a reply's thoughts (its content is the answer)
+    documents: list[dict] = field(default_factory=list)  # user: files whose blocks open the content, in order
+
+    @property
+    def doc_chars(self) -> int:
+        return sum(d["chars"] for d in self.documents)
+
+    @property
+    def doc_tokens(self) -> int:
+        """The documents' tokens at the start of `tokens`, each block tokenized on its own."""
+        return sum(d["tokens"] for d in self.documents)
+
+    @property
+    def words(self) -> str:
+        """What the user typed, without the attached documents."""
+        return self.content[self.doc_chars:]
 
     def to_json(self) -> dict:
         # by hand: dataclasses.asdict deep-copies every token, a millisecond on the turn's critical path
         d = {"role": self.role, "content": self.content, "tokens": list(self.tokens), "head": list(self.head),
              "cut": self.cut, "in_window": self.in_window, "pinned": self.pinned}
-        d.update({k: v for k, v in (("raw", self.raw), ("reasoning", self.reasoning)) if v})
+        d.update({k: v for k, v in (("raw", self.raw), ("reasoning", self.reasoning),
+                                    ("documents", self.documents)) if v})
         return d
 
 
@@ -75,8 +91,8 @@ class Conversation:
             spans[-1][2] = pos
         return [(a, b, c) for a, b, c in spans]
 
-    def add_user(self, text: str, head: list[int], tokens: list[int]) -> Message:
-        m = Message("user", text, tokens=list(tokens), head=list(head))
+    def add_user(self, text: str, head: list[int], tokens: list[int], documents: list[dict] | None = None) -> Message:
+        m = Message("user", text, tokens=list(tokens), head=list(head), documents=list(documents or []))
         self.messages.append(m)
         return m
 

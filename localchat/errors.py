@@ -21,6 +21,10 @@ class ContextFullError(LocalchatError):
     pass
 
 
+class DocumentError(LocalchatError):
+    """A file that cannot be attached; the message names it and says why."""
+
+
 class TemplateFailure(ModelError):
     """The model's chat template broke a bound, the sandbox or its own rules: at load the chat
     does not start; during a chat the turn ends with the message (line mode exits 2)."""

@@ -199,4 +199,6 @@ def prune_kv(budget: int, keep: Path) -> None:
             break
         if path != keep:
             path.unlink(missing_ok=True)
+            if path.parent == paths.prefix_dir():
+                path.with_suffix(".json").unlink(missing_ok=True)  # the prefix store's note on it
             total -= size

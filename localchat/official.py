@@ -119,7 +119,8 @@ def layout(fmt: ChatFormat, vocab: Vocab, conv: Conversation, template_tokens: C
     for i, (m, content) in enumerate(zip(window, contents)):
         after = templates[i + 1]
         if m.role == "user":
-            words = vocab.tokenize(content, special=False)
+            # attached documents keep their tokens (each block tokenized on its own), then the typed words
+            words = m.tokens[:m.doc_tokens] + vocab.tokenize(content[m.doc_chars:], special=False)
             old_after = m.tokens[len(words):] if m.tokens[:len(words)] == words else []
             head = keep_or_tokenize(m.head, carry) if i else []
             laid.append((head, words + keep_or_tokenize(old_after, after)))

@@ -28,6 +28,7 @@ def profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--threads", type=_threads, dest="n_threads", metavar="N|auto",
                    help="CPU threads, or auto (default: the physical cores other work leaves free)")
+    p.add_argument("--draft-model", metavar="GGUF", help="a small model of the same vocabulary that drafts tokens")
     p.add_argument("--speculate", choices=("auto", "on", "off"),
                    help="draft from the conversation's own text and verify in batches (auto: where it pays)")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging, llama.cpp's log included")

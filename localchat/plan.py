@@ -112,7 +112,7 @@ def budget_bytes(p: Profile) -> int:
     return int(psutil.virtual_memory().available - p.reserve_gb * GIB)
 
 
-def _room(p: Profile, free: int) -> tuple[int, str]:
+def room_for(p: Profile, free: int) -> tuple[int, str]:
     """What the plan's total may reach, and what set it: the profile's budget, or the memory free on
     the device now (read after our CUDA context was made, hence added back) less the margin."""
     budget = budget_bytes(p)
@@ -133,7 +133,7 @@ def _need(p: Profile, m: ModelInfo, n_ctx: int, type_k: str, type_v: str) -> int
 def largest_ctx(p: Profile, m: ModelInfo, type_k: str, type_v: str, free: int = 0) -> int:
     """Largest multiple of 256 that fits the room, capped by the trained context (0: none)."""
     cap = m.n_ctx_train or 1 << 17
-    room, _ = _room(p, free)
+    room, _ = room_for(p, free)
     lo, hi = 0, cap // CTX_STEP
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -152,7 +152,7 @@ def make_plan(p: Profile, m: ModelInfo, n_ctx: int | None = None, free: int = 0)
     n_ctx = -(-n_ctx // CTX_STEP) * CTX_STEP  # llama.cpp pads the context to 256
     weights_gpu, kv, kv_gpu, compute = _usage(p, m, n_ctx, p.type_k, p.type_v)
     gpu = _on_gpu(p)
-    room, limited_by = _room(p, free)
+    room, limited_by = room_for(p, free)
     return MemoryPlan(
         model=str(m.path), profile=p.name, gpu=gpu, n_ctx=n_ctx, n_ctx_train=m.n_ctx_train,
         type_k=p.type_k, type_v=p.type_v, layers_total=m.n_layer + 1, layers_gpu=_layers_on_gpu(p, m),

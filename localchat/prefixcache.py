@@ -1,63 +1,170 @@
-"""The shared prefix cache: the KV of each system prompt kept on disk, so that a new chat with
-the same system prompt starts from it instead of prefilling it; only where loading is faster."""
+"""The prefix store: the KV of a conversation's leading tokens (its system prompt, the documents
+attached to it) kept on disk, keyed by the model, the KV settings and the exact tokens, so that a
+chat that starts the same way loads it instead of prefilling it; only where loading is faster.
+
+A document's block is tokenized on its own (`documents.Attachments`), so the same file after the same
+history gives the same tokens and finds its KV; a file changed since has other tokens, another key.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from localchat import paths, statefile
 from localchat.background import BackgroundWriter
 from localchat.chat import ChatSession
+from localchat.fsutil import atomic_write
 from localchat.kvdisk import DEFAULT_LOAD_BPS, KVDisk, check_state
 from localchat.statefile import StateRejected
 
 MIN_TOKENS = 16  # shorter prefixes prefill faster than any file loads
+UNMEASURED_KEEP_S = 0.5  # before this machine's load speed is known, a prefill this long is worth a file
+META_SUFFIX = ".json"  # beside each state: what it holds, for `localchat cache list`
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    path: Path
+    size: int
+    tokens: int
+    documents: list[str]
+    model: str
+    used: float  # last loaded or written (the file's mtime): the disk cap drops the oldest first
 
 
 class PrefixCache:
     def __init__(self, kv: KVDisk, writer: BackgroundWriter):
         self.kv, self.writer = kv, writer
+        self._refused: set[Path] = set()  # states not loaded in this run (a check failed, prefill is faster)
+        self._stored: set[int] = set()  # the token lists whose states this run kept (hashed)
 
     def path(self, prefix: list[int]) -> Path:
         key = hashlib.sha256(json.dumps([self.kv.hasher.value, self.kv.settings, prefix]).encode())
         return paths.prefix_dir() / f"{key.hexdigest()[:32]}.state"
 
-    def snapshot(self, prefix: list[int], prefill_s: float) -> None:
-        """Called once the KV holds exactly `prefix`: keep it where loading it beats prefilling it."""
+    # ------------------------------------------------------------ keeping
+    def snapshot(self, prefix: list[int], prefill_s: float, documents: list[str] | None = None) -> None:
+        """Called once the KV holds exactly `prefix`: keep it where loading it beats prefilling it
+        (`prefill_s`: a full prefill's time, measured or estimated)."""
         if len(prefix) < MIN_TOKENS:
             return
         kv = self.kv
         size = len(prefix) * kv.rt.kv_bytes_per_token
         pending = kv.hasher.pending  # a new model: no speeds and no snapshot yet, and no waiting here
-        load_bps = DEFAULT_LOAD_BPS if pending else kv.speeds().get("load_bps", DEFAULT_LOAD_BPS)
-        if size / load_bps > prefill_s / 2 or (not pending and self.path(prefix).exists()):
+        measured = None if pending else kv.speeds().get("load_bps")
+        worth = size / (measured or DEFAULT_LOAD_BPS) <= prefill_s / 2 or \
+            (not measured and prefill_s >= UNMEASURED_KEEP_S)
+        if not worth or (not pending and self.path(prefix).exists()):
             return
         payload = kv.rt.engine.state_bytes()
-        self.writer.submit(lambda: kv.write(self.path(prefix), payload, prefix))  # waits for the hash there
+        meta = {"tokens": len(prefix), "documents": list(documents or []), "model": kv.rt.model.name,
+                "created": time.time()}
 
-    def load(self, chat: ChatSession) -> bool:
-        """Start a new chat from its system prompt's saved KV, if there is one that passes the checks."""
-        engine = self.kv.rt.engine
-        if chat.conv.messages or engine.n_kv or self.kv.hasher.pending:
-            return False
+        def job() -> None:  # waits for the model's hash
+            path = self.path(prefix)
+            kv.write(path, payload, prefix)
+            atomic_write(path.with_suffix(META_SUFFIX), [json.dumps(meta).encode()])
+            kv.prune(keep=path)
+
+        self.writer.submit(job)
+
+    # ------------------------------------------------------------ finding
+    def load_longest(self, chat: ChatSession, target: list[int], ends: list[int]) -> int:
+        """Load the longest stored state among `target[:n]` for n in `ends` that the KV does not hold
+        yet, where loading beats prefilling what is missing; the tokens loaded (0: none)."""
+        engine, kv = self.kv.rt.engine, self.kv
+        if kv.hasher.pending:
+            return 0
+        held = engine.common_prefix(target)
+        speeds = kv.speeds()
+        prefill_tps, load_bps = speeds.get("prefill_tps"), speeds.get("load_bps")
+        for n in sorted(ends, reverse=True):
+            if n - held < MIN_TOKENS:
+                break
+            path = self.path(target[:n])
+            if path in self._refused or not path.exists():
+                continue
+            self._refused.add(path)  # until it is loaded
+            try:
+                header, offset = statefile.read_header(path)
+                check_state(header, target[:n], kv.hasher.value, kv.settings)
+                # until a load has been measured here, the snapshot rule's judgement stands
+                slower = prefill_tps and load_bps and (n - held) / prefill_tps < header.payload_size / load_bps
+                if header.tokens != target[:n] or slower:
+                    continue
+                t0 = time.perf_counter()
+                if not engine.load_state(statefile.read_payload(path, header, offset), target[:n]):
+                    continue
+                kv.save_speed("load_bps", header.payload_size / max(time.perf_counter() - t0, 1e-6))
+            except (StateRejected, OSError):
+                continue
+            self._refused.discard(path)
+            os.utime(path)  # recently used: pruned last
+            chat.prefix_restored = True
+            chat.store_tokens = n
+            return n
+        return 0
+
+    def load(self, chat: ChatSession) -> int:
+        """Before a turn: its system prefix and attached documents from the store, where stored."""
         if not chat.conv.prefix:
             chat.set_system(chat.conv.system, cause="")
-        prefix = chat.conv.prefix
-        path = self.path(prefix)
-        try:
-            header, offset = statefile.read_header(path)
-            check_state(header, prefix, self.kv.hasher.value, self.kv.settings)
-            if header.tokens != prefix or not engine.load_state(statefile.read_payload(path, header, offset), prefix):
-                return False
-        except StateRejected:
+        if not chat.ahead.planned:
+            chat.ahead.plan()
+        base = chat.ahead.base
+        ends = ([len(chat.conv.prefix)] if not chat.conv.messages else []) + chat.docs.ends(len(base))
+        return self.load_longest(chat, base + chat.docs.tokens(), ends)
+
+    def idle(self, chat: ChatSession, read_ahead: bool) -> bool:
+        """One step of idle work for attached documents: load their KV from the store, or evaluate them
+        (`read_ahead`) and keep their KV, before the message is sent. False when there is none."""
+        docs, e = chat.docs, self.kv.rt.engine
+        if not docs.pending or not chat.ahead.planned:
             return False
-        os.utime(path)  # recently used: pruned last
-        chat.prefix_restored = True
+        base = chat.ahead.base
+        end = docs.ends(len(base))[-1]
+        target = base + docs.tokens()
+        hashed = not self.kv.hasher.pending  # the model's hash, part of every key; the write waits for it
+        if hashed and self.load(chat):
+            return True
+        mark = hash(tuple(target))
+        if not read_ahead or end > e.n_ctx - 2 or mark in self._stored or (hashed and self.path(target).exists()):
+            return False  # the read-ahead evaluates them with the words typed
+        if e.common_prefix(target) < end:
+            return chat.ahead.step(draft=True, upto=end)
+        if e.n_kv > end:
+            if not e.can_rewind_to(end):
+                return False
+            e.truncate(end)  # the words typed after the documents are evaluated again next step
+        self._stored.add(mark)
+        self.snapshot(target, end / max(chat.ahead.tokens_per_s, 1.0), [d.name for d in docs.pending])
         return True
 
-    @staticmethod
-    def snapshots() -> list[Path]:
-        return sorted(paths.prefix_dir().glob("*.state")) if paths.prefix_dir().is_dir() else []
+
+def entries() -> list[Entry]:
+    """The stored states, most recently used first."""
+    found = []
+    for path in sorted(paths.prefix_dir().glob("*.state")) if paths.prefix_dir().is_dir() else []:
+        try:
+            stat = path.stat()
+        except OSError:
+            continue  # removed meanwhile
+        try:
+            meta: dict[str, Any] = json.loads(path.with_suffix(META_SUFFIX).read_text())
+        except (OSError, ValueError):
+            meta = {}  # a system prompt's state from before the store kept this
+        found.append(Entry(path.stem, path, stat.st_size, int(meta.get("tokens", 0)), list(meta.get("documents", [])),
+                           str(meta.get("model", "")), stat.st_mtime))
+    return sorted(found, key=lambda e: -e.used)
+
+
+def remove(entry: Entry) -> None:
+    entry.path.unlink(missing_ok=True)
+    entry.path.with_suffix(META_SUFFIX).unlink(missing_ok=True)

@@ -59,6 +59,7 @@ class Profile:
     think: str | None = None  # reasoning models: on, off, or an effort (low, medium, high); None: the model's default
     reasoning_budget: int = -1  # thought tokens before the end of the thoughts is forced; -1: no limit
     speculate: str = "auto"  # drafts from the context's own history, verified in batches: auto, on, off
+    draft_model: str | None = None  # a small model of the same vocabulary that drafts where the history does not
     history: str = "official"  # official: the history converges to the template's form; as-sampled
 
     @property
@@ -113,6 +114,7 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "think": ((str, type(None)), lambda v: v in (None, *THINK), "one of " + ", ".join(THINK)),
     "reasoning_budget": ((int,), lambda v: v >= -1, "-1 (no limit) or a number of tokens"),
     "speculate": ((str,), lambda v: v in ("auto", "on", "off"), "one of auto, on, off"),
+    "draft_model": ((str, type(None)), lambda v: True, "a GGUF path or a model name"),
     "history": ((str,), lambda v: v in HISTORY, "one of " + ", ".join(HISTORY)),
 }
 # the settings a profile file or a command-line option can set: every field but where it came from

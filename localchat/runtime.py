@@ -11,7 +11,15 @@ from typing import Any
 from localchat import models, profiles
 from localchat import plan as planmod
 from localchat.chat import ChatSession, ChatSettings
-from localchat.engine import Engine, EngineConfig, SamplingConfig, devices, gpu_offload_supported
+from localchat.engine import (
+    DraftModel,
+    Engine,
+    EngineConfig,
+    SamplingConfig,
+    check_vocab,
+    devices,
+    gpu_offload_supported,
+)
 from localchat.errors import ModelError, ProfileError, TemplateFailure
 from localchat.models import ModelInfo
 from localchat.plan import MemoryPlan
@@ -25,6 +33,7 @@ CUDA_INSTALL = ('CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-
                 '"llama-cpp-python>=0.3.36,<0.4"')
 
 Report = Callable[[str], None]
+DRAFT_COMPUTE = 256 << 20  # a small draft model's compute buffers, rounded up
 
 
 @dataclass
@@ -37,6 +46,7 @@ class Runtime:
     gpu_warning: str = ""
     threads: ThreadFit | None = None  # the profile's thread settings and, for auto, the load readings
     threads_why: str = ""  # how auto chose the threads in use
+    draft: DraftModel | None = None  # the profile's draft_model, loaded beside the model
 
     def refit_threads(self, min_window: float = 0.0) -> None:
         """Auto threads: as many as the cores other processes leave free now (two reads of /proc)."""
@@ -54,6 +64,8 @@ class Runtime:
         return self.model.kv_bytes_per_token(self.engine.config.type_k, self.engine.config.type_v)
 
     def close(self) -> None:
+        if self.draft is not None:
+            self.draft.close()
         self.engine.close()
 
 
@@ -145,6 +157,26 @@ def chat_format(engine: Engine) -> ChatFormat:
         raise ModelError(f"{name}: {exc}") from None
 
 
+def open_draft(profile: Profile, plan: MemoryPlan, engine: Engine, report: Report) -> DraftModel:
+    """The draft model beside the model: on the same devices, with an f16 KV of the same n_ctx, which the
+    card must hold on top of the plan; refused when its vocabulary is not the model's."""
+    info = models.model_info(models.resolve(profile.draft_model, report))
+    if plan.gpu:
+        need = info.file_size + plan.n_ctx * info.kv_bytes_per_token() + DRAFT_COMPUTE
+        room, _ = planmod.room_for(profile, plan.device_free_bytes)
+        if plan.total_gpu_bytes + need > room:
+            raise ProfileError(f"{profile.source}: the draft model {info.name} needs {need / (1 << 30):.2f} GiB of GPU "
+                               f"memory beside the plan's {plan.total_gpu_bytes / (1 << 30):.2f} GiB, over the "
+                               f"{room / (1 << 30):.2f} GiB there is room for; lower n_ctx or drop draft_model")
+    draft = Engine(replace(engine.config, model_path=str(info.path), type_k="f16", type_v="f16"))
+    try:
+        check_vocab(engine, draft)
+    except ModelError:
+        draft.close()
+        raise
+    return DraftModel(draft)
+
+
 def open_runtime(profile: Profile, report: Report, verbose: bool = False, explicit_ctx: bool = False) -> Runtime:
     """`explicit_ctx`: n_ctx came from the command line (then above the trained context is an error)."""
     # the other processes' load is measured from here to after the model loaded
@@ -163,6 +195,13 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
         if not said.startswith("thinking:"):
             report(f"localchat: think: {profile.think}: {said}")
     chat = ChatSession(engine, fmt, chat_settings(profile))
-    rt = Runtime(profile, info, plan, engine, chat, warning, threads)
+    try:
+        draft = open_draft(profile, plan, engine, report) if profile.draft_model else None
+    except (ModelError, ProfileError):
+        engine.close()
+        raise
+    if draft is not None and chat.speculation is not None:
+        chat.speculation.model = draft
+    rt = Runtime(profile, info, plan, engine, chat, warning, threads, draft=draft)
     rt.refit_threads(min_window=0.25)
     return rt

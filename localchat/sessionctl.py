@@ -104,12 +104,20 @@ class SessionControl:
         loaded from disk is part of the wait for the first token."""
         started = time.perf_counter() if started is None else started
         self.rt.refit_threads()  # other programs may have started or stopped since the last turn
-        cache = self.prefix_cache
+        cache, chat = self.prefix_cache, self.chat
+        on_prefix = None
         if cache is not None:
-            cache.load(self.chat)
-        on_prefix = cache.snapshot if cache is not None else None
+            cache.load(chat)
+            names, prefix_len = [d.name for d in chat.docs.pending], len(chat.conv.prefix)
+            on_prefix = lambda tokens, seconds: cache.snapshot(  # noqa: E731
+                tokens, seconds, names if len(tokens) > prefix_len else [])
+        spec, draft = chat.speculation, self.rt.draft
+        before = (spec.model_drafted if spec else 0, draft.evaluated if draft else 0)
         st = self.chat.turn(text, on_text, cancelled, progress, started, on_prefix=on_prefix, on_thought=on_thought)
         st.extra["threads"], st.extra["threads_batch"] = self.rt.engine.threads
+        if spec and draft:  # what the draft model wrote, and evaluated to follow the context (rebuilds included)
+            st.extra["draft_model_tokens"] = spec.model_drafted - before[0]
+            st.extra["draft_model_evaluated"] = draft.evaluated - before[1]
         return st
 
     def after_turn(self, st: TurnStats) -> None:
@@ -149,10 +157,13 @@ class SessionControl:
 
     def idle_step(self) -> bool:
         """One small piece of idle work, most urgent first: the history in its official form and the
-        next head; the autosave copy; the message being typed. False when there is nothing to do."""
+        next head; attached documents (from the prefix store, or evaluated and stored); the autosave
+        copy; the message being typed. False when there is nothing to do."""
         ahead = self.chat.ahead
         if ahead.step(draft=False):
             self._tell_layout_failure()
+            return True
+        if self.prefix_cache is not None and self.prefix_cache.idle(self.chat, self.chat.read_ahead):
             return True
         if self._save_due():
             self.save()

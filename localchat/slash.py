@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import difflib
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from localchat import clipboard, transcript
+from localchat import attaching, clipboard, prefixcache, transcript
 from localchat import plan as planmod
-from localchat.prefixcache import PrefixCache
 from localchat.profiles import SETTING_KEYS
 from localchat.sessionctl import SessionControl, auto_name
 from localchat.stats import TurnStats
@@ -134,9 +134,31 @@ def _cache(ctx: CommandContext, arg: str) -> str:
              f"{per_tok:,} bytes/token, {e.config.type_k}/{e.config.type_v}); {len(e.tokens) - e.n_kv} pending"]
     if ctl.store is not None and ctl.store.state.exists():
         lines.append(f"saved state: {ctl.store.state.stat().st_size / 1e6:.1f} MB ({ctl.save_status or 'saved'})")
-    snaps = PrefixCache.snapshots()
-    lines.append(f"prefix snapshots: {len(snaps)} ({sum(p.stat().st_size for p in snaps) / 1e6:.1f} MB)")
+    stored = prefixcache.entries()
+    lines.append(f"prefix store: {len(stored)} states ({sum(e.size for e in stored) / 1e6:.1f} MB; "
+                 "`localchat cache list` shows them)")
     return "\n".join(lines)
+
+
+def _attach(ctx: CommandContext, arg: str) -> str:
+    if not arg.strip():
+        return "usage: /attach PATH... (files, directories, globs; quote a path with spaces)"
+    try:
+        specs = shlex.split(arg)
+    except ValueError as exc:
+        return f"/attach: {exc}"
+    return "\n".join(attaching.add(ctx.ctl.chat, specs))
+
+
+def _docs(ctx: CommandContext, arg: str) -> str:
+    if arg.strip() == "clear":
+        chat = ctx.ctl.chat
+        n = len(chat.docs.pending)
+        chat.docs.pending.clear()
+        chat.store_tokens = 0  # what the store gave for them is not the next turn's
+        chat.ahead.invalidate()
+        return f"{n} pending documents dropped"
+    return attaching.listing(ctx.ctl.chat)
 
 
 def _profile(ctx: CommandContext, arg: str) -> str:
@@ -220,7 +242,9 @@ COMMANDS: dict[str, Command] = {
     "/undo": Command("/undo", "drop the last exchange (rewinds the KV when safe)", _undo),
     "/retry": Command("/retry", "regenerate the last reply", _retry, replies=True),
     "/stats": Command("/stats", "per-turn table: cached, recomputed, TTFT, tok/s", _stats),
-    "/cache": Command("/cache", "what the KV holds, state size on disk, prefix snapshots", _cache),
+    "/cache": Command("/cache", "what the KV holds, state size on disk, the prefix store", _cache),
+    "/attach": Command("/attach PATH...", "attach files, directories or globs to the next message", _attach),
+    "/docs": Command("/docs [clear]", "attached documents; clear drops those not sent yet", _docs),
     "/profile": Command("/profile", "active settings and the memory plan", _profile),
     "/pin": Command("/pin", "keep the last exchange in the window when the context fills", _pin),
     "/copy": Command("/copy [code [N]]", "the last reply, or its code block N, to the clipboard (OSC 52)", _copy),

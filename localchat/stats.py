@@ -42,3 +42,17 @@ class TurnStats:
         for k in ("ttft_s", "prefill_s", "decode_tps", "save_s"):
             d[k] = round(d[k], 5)
         return d
+
+
+def miss_cause(st: TurnStats, told: str, rewind_refused: bool, n_kv_before: int) -> str:
+    """Why a turn recomputed more than it added: the cause told beforehand (a rejected state, a new
+    system prompt), else what the turn saw."""
+    if told:
+        return told
+    if rewind_refused:
+        return "sliding window: the cache no longer holds what a rewind needs"
+    if st.shifted_tokens:
+        return "overflow: the kept window was recomputed"
+    if n_kv_before == 0:
+        return "KV empty (new process or state not restored)"
+    return f"template re-render: prompt differs from the KV at token {st.first_diff}"

@@ -53,10 +53,16 @@ def _reply_parts(st: TurnStats) -> list[str]:
     return parts
 
 
+def _stored(st: TurnStats) -> list[str]:
+    """Where the cached tokens came from, when the prefix store gave them (a document read before)."""
+    n = st.extra.get("prefix_store_tokens", 0)
+    return [f"{n} from the prefix store"] if n else []
+
+
 def summary_line(st: TurnStats) -> str:
     """One line per turn on stderr in line mode; the same numbers as --stats-json."""
     parts = [f"[turn {st.turn}] cached {st.cached_tokens}, recomputed {st.recomputed_tokens} (new {st.new_tokens})",
-             f"ctx {st.ctx_used}/{st.n_ctx}", f"TTFT {st.ttft_s:.2f}s", f"{st.decode_tps:.1f} tok/s",
+             *_stored(st), f"ctx {st.ctx_used}/{st.n_ctx}", f"TTFT {st.ttft_s:.2f}s", f"{st.decode_tps:.1f} tok/s",
              *_reply_parts(st)]
     if st.shifted_tokens:
         parts.append(f"shifted {st.shifted_tokens}")
@@ -82,6 +88,7 @@ def toolbar(s: BarState) -> Fragments:
     if st is not None:
         style = "class:bar.miss" if st.cache_miss else "class:bar.hit"
         frags += [(style, f" cached {st.cached_tokens} recomputed {st.recomputed_tokens} "),
+                  *[("class:bar.hit", f"| {part} ") for part in _stored(st)],
                   ("class:bar", f"| TTFT {st.ttft_s:.2f}s | {st.decode_tps:.1f} tok/s ")]
         frags += [("class:bar", f"| {part} ") for part in _reply_parts(st)]
         if st.cache_miss and st.miss_cause:

@@ -80,7 +80,15 @@ def _message(r: Record) -> Message:
     return Message(role=r["role"], content=r["content"], tokens=ints(r.get("tokens")), head=ints(r.get("head")),
                    cut=bool(r.get("cut")), in_window=bool(r.get("in_window", True)), pinned=bool(r.get("pinned")),
                    raw=r["raw"] if isinstance(r.get("raw"), str) else "",
-                   reasoning=r["reasoning"] if isinstance(r.get("reasoning"), str) else "")
+                   reasoning=r["reasoning"] if isinstance(r.get("reasoning"), str) else "",
+                   documents=_documents(r.get("documents")))
+
+
+def _documents(value: object) -> list[dict]:
+    """Attached documents' records (name, sha256, chars, tokens); malformed ones are dropped."""
+    docs = value if isinstance(value, list) else []
+    return [{"name": str(d.get("name", "")), "sha256": str(d.get("sha256", "")), "chars": int(d.get("chars", 0)),
+             "tokens": int(d.get("tokens", 0))} for d in docs if isinstance(d, dict)]
 
 
 def replay(records: list[Record]) -> Conversation:

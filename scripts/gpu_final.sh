@@ -5,11 +5,13 @@
 #   bash scripts/gpu_final.sh memory OUTDIR   # build + models, a fine n_ctx sweep, the 8B shape on simulated cards
 #   bash scripts/gpu_final.sh idle OUTDIR     # the 7B shape on simulated cards, bench --typing (both), --reasoning (8B)
 #   bash scripts/gpu_final.sh decode OUTDIR   # build + the 8B shape, bench --decode against llama-bench, verify cost
+#   bash scripts/gpu_final.sh document OUTDIR # build + the 8B shape, bench --document 20000 (KVS: f16 q8_0)
+#   bash scripts/gpu_final.sh statecost OUTDIR # build + the 8B shape, a 20,000-token state's way to disk and back
 # A phase finds the build and the models of an earlier one on the same machine, else makes them.
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-[ "$PHASE" = decode ] && export MODELS=${MODELS:-8b-gqa}  # one model: the build and it fit with the runs
+case $PHASE in decode|document|statecost) export MODELS=${MODELS:-8b-gqa};; esac  # one model: the build and it fit with the runs
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
 if [ ! -f /tmp/lcgpu/env.sh ] || ! have_models; then
@@ -45,6 +47,21 @@ case $PHASE in
     echo "decode at $(( $(date +%s) - t0 )) s"
     timeout 120 python3 scripts/verify_cost.py $M/8b-gqa.gguf --tokens 256 > "$OUT/verify-8b.json" 2> "$OUT/verify-8b.err"
     echo "verify cost at $(( $(date +%s) - t0 )) s"
+    ;;
+  document)
+    for kv in ${KVS:-f16 q8_0}; do
+      timeout 200 python3 -m localchat bench --document 20000 --profile h200 --model $M/8b-gqa.gguf --kv-type $kv \
+        --repeat 3 --json "$OUT/document-8b-$kv.json" 2> "$OUT/document-8b-$kv.err" | tee "$OUT/document-8b-$kv.txt"
+      echo "document ($kv) at $(( $(date +%s) - t0 )) s"
+    done
+    ;;
+  statecost)
+    for kv in f16 q8_0; do
+      timeout 120 python3 scripts/state_load_cost.py $M/8b-gqa.gguf --tokens 20000 --kv-type $kv \
+        >> "$OUT/state-cost-8b.jsonl" 2> "$OUT/state-cost-8b-$kv.err"
+      echo "state cost ($kv) at $(( $(date +%s) - t0 )) s"
+    done
+    cat "$OUT/state-cost-8b.jsonl"
     ;;
 esac
 ls -la "$OUT"

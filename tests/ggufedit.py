@@ -50,6 +50,18 @@ def _value(value: str | bytes | int) -> tuple[int, bytes]:
     return STRING, _string(value.encode() if isinstance(value, str) else value)
 
 
+def _entries(r: _Raw, n_kv: int):
+    """Each metadata entry: (key, value type, where the entry starts, where its value starts), the
+    reader left after the value."""
+    for _ in range(n_kv):
+        start = r.pos
+        key = r.string().decode()
+        vtype = r.u32()
+        vstart = r.pos
+        r.skip_value(vtype)
+        yield key, vtype, start, vstart
+
+
 def edit_gguf(src: Path, dst: Path, changes: dict[str, str | bytes | int | None]) -> Path:
     """Write `src` to `dst` with each key in `changes` set (a str or raw bytes as a string value, an int
     as the type the key already has, or uint32 for a new key) or removed (None)."""
@@ -59,12 +71,7 @@ def edit_gguf(src: Path, dst: Path, changes: dict[str, str | bytes | int | None]
     entries: list[bytes] = []
     alignment = 32
     todo = dict(changes)
-    for _ in range(n_kv):
-        start = r.pos
-        key = r.string().decode()
-        vtype = r.u32()
-        vstart = r.pos
-        r.skip_value(vtype)
+    for key, vtype, start, vstart in _entries(r, n_kv):
         if key == "general.alignment":
             alignment = struct.unpack("<I", data[vstart:vstart + 4])[0]
         if key in todo:
@@ -94,4 +101,46 @@ def edit_gguf(src: Path, dst: Path, changes: dict[str, str | bytes | int | None]
     with dst.open("wb") as f:
         f.write(header + b"\0" * pad)
         f.write(memoryview(data)[data_start:])
+    return dst
+
+
+def first_layers(src: Path, dst: Path, keep: int) -> Path:
+    """A copy of a llama-architecture GGUF with only its first `keep` layers (the embedding, the final
+    norm and the output head kept): a real-weights draft model of the same vocabulary, as layer-skip
+    self-speculation uses."""
+    data = src.read_bytes()
+    r = _Raw(data)
+    magic, version, n_tensors, n_kv = r.take(4), r.u32(), r.u64(), r.u64()
+    entries, alignment, arch = [], 32, ""
+    for key, vtype, start, vstart in _entries(r, n_kv):
+        if key == "general.alignment":
+            alignment = struct.unpack("<I", data[vstart:vstart + 4])[0]
+        if key == "general.architecture":
+            arch = data[vstart + 8:r.pos].decode()
+        if key == f"{arch}.block_count":
+            entries.append(_string(key.encode()) + struct.pack("<I", vtype) + struct.pack(_FORMATS[vtype], keep))
+        else:
+            entries.append(data[start:r.pos])
+    infos = []  # (name, the info's bytes before its offset, offset)
+    for _ in range(n_tensors):
+        start = r.pos
+        name = r.string().decode()
+        n_dims = r.u32()
+        r.take(8 * n_dims + 4)
+        infos.append((name, data[start:r.pos], struct.unpack("<Q", r.take(8))[0]))
+    data_start = -(-r.pos // alignment) * alignment
+    ends = sorted(off for _, _, off in infos)[1:] + [len(data) - data_start]
+    size = {off: end - off for off, end in zip(sorted(off for _, _, off in infos), ends)}  # padding included
+    kept = [(n, info, off) for n, info, off in infos if not (n.startswith("blk.") and int(n.split(".")[1]) >= keep)]
+    out_infos, chunks, at = [], [], 0
+    for _, info, off in kept:  # the kept tensors' data laid end to end, each at the offset its info says
+        out_infos.append(info + struct.pack("<Q", at))
+        chunks.append(memoryview(data)[data_start + off:data_start + off + size[off]])
+        at += size[off]
+    header = magic + struct.pack("<IQQ", version, len(kept), len(entries)) + b"".join(entries) + b"".join(out_infos)
+    pad = -len(header) % alignment
+    with dst.open("wb") as f:
+        f.write(header + b"\0" * pad)
+        for c in chunks:
+            f.write(c)
     return dst

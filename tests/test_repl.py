@@ -111,7 +111,7 @@ def test_help_stats_cache_profile_sessions_system(ui):
     assert "/retry" in ui.command("/help") and "/undo" in ui.command("/help")
     table = ui.command("/stats")
     assert "cached" in table and "recomp" in table and "\n    1 " in table
-    assert "KV holds" in ui.command("/cache") and "prefix snapshots" in ui.command("/cache")
+    assert "KV holds" in ui.command("/cache") and "prefix store: 1 states" in ui.command("/cache")
     assert "largest n_ctx that fits" in ui.command("/profile")
     assert "ui" in ui.command("/sessions")
     assert "system prompt set" in ui.command("/system Answer in French.")

@@ -15,6 +15,7 @@ from localchat.engine.backend import SEQ
 from localchat.engine.speculative import PROBE_EVERY, Speculation
 from localchat.runtime import chat_format
 from tests.conftest import make_engine, run_cli
+from tests.ggufedit import first_layers
 
 NOTE = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
         "they agreed to fund the children's section, the reading room and the archive, but not the cafe. ")
@@ -175,3 +176,52 @@ def test_stats_json_counts_drafts_and_the_flag_turns_them_off(home, tmp_path, de
     assert all(r["accepted_tokens"] <= r["draft_tokens"] for r in rows_on)
     assert sum(r["accepted_tokens"] for r in rows_on) > 0 and "% accepted" in on.stderr
     assert all("draft_tokens" not in r for r in rows_off)
+
+
+def test_a_draft_model_keeps_greedy_replies_identical_across_turns_undo_and_resume(home, tmp_path, demo_path):
+    """The demo model's first 15 layers draft for it (real weights, the same vocabulary, drafts often
+    rejected): the replies are those without drafts, token for token."""
+    draft = first_layers(demo_path, tmp_path / "draft.gguf", 15)
+    lines = "\n".join([QUESTIONS[0], QUESTIONS[1], "/undo", "Name three rivers."]) + "\n"
+    # under 256 tokens of context: past that llama.cpp's CPU kernels for a batch and for one token part (README)
+    common = ["--temperature", "0", "--max-tokens", "24", "--threads", "2"]
+    out = {}
+    for name, extra in (("plain", ["--speculate", "off"]), ("draft", ["--speculate", "on", "--draft-model", str(draft)])):
+        stats = tmp_path / f"{name}.jsonl"
+        first = run_cli([*common, *extra, "--session", name, "--stats-json", str(stats)], lines,
+                        {"LOCALCHAT_HOME": str(home)})
+        resumed = run_cli([*common, *extra, "--session", name, "--stats-json", str(stats)], "And two lakes?\n",
+                          {"LOCALCHAT_HOME": str(home)})
+        assert first.returncode == resumed.returncode == 0, first.stderr + resumed.stderr
+        out[name] = (first.stdout + resumed.stdout, [json.loads(x) for x in stats.read_text().splitlines()])
+    assert out["draft"][0] == out["plain"][0]
+    rows = out["draft"][1]
+    assert sum(r["draft_model_tokens"] for r in rows) > 0 and sum(r["accepted_tokens"] for r in rows) > 0
+    assert rows[-1]["kv_restored"] is True and max(r["ctx_used"] for r in rows) <= 256
+    # after the resume the draft model's KV was empty: it evaluated the restored context once, counted
+    assert rows[-1]["draft_model_evaluated"] >= rows[-1]["prompt_tokens"] - rows[-1]["new_tokens"]
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(home, demo_path, gemma_path):
+    r = run_cli(["--draft-model", "gemma-270m", "--no-session"], "Hi\n", {"LOCALCHAT_HOME": str(home)})
+    assert r.returncode == 2
+    assert "has another vocabulary" in r.stderr and "must share the model's tokenizer" in r.stderr
+
+
+def test_a_draft_model_that_does_not_fit_beside_the_plan_is_refused_before_it_loads(demo_engine, demo_path):
+    from dataclasses import replace
+
+    import pytest
+
+    from localchat import models, plan
+    from localchat.errors import ProfileError
+    from localchat.profiles import Profile
+    from localchat.runtime import open_draft
+    info = models.model_info(demo_path)
+    card = Profile(name="tiny-card", source="tiny-card.yaml", vram_gb=1.3, n_gpu_layers=-1, n_ctx=8192,
+                   model=str(demo_path))
+    laid = plan.make_plan(card, info, free=0)
+    assert laid.gpu and laid.total_gpu_bytes < laid.budget_bytes  # the model alone fits the card
+    with pytest.raises(ProfileError) as exc:
+        open_draft(replace(card, draft_model=str(demo_path)), laid, demo_engine, lambda t: None)
+    assert "the draft model" in str(exc.value) and "lower n_ctx or drop draft_model" in str(exc.value)

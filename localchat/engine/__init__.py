@@ -6,10 +6,11 @@ the Engine itself: one llama.cpp context holding a token-canonical KV.
 
 from localchat.engine.backend import KV_TYPES, cpu_has_amx, devices, gpu_offload_supported, llama_version
 from localchat.engine.context import Engine
+from localchat.engine.draftmodel import DraftModel, check_vocab
 from localchat.engine.sampling import prime as prime_sampler
 from localchat.engine.speculative import Speculation
 from localchat.engine.types import Cancelled, Device, EngineConfig, Generation, PrefillResult, SamplingConfig
 
-__all__ = ["KV_TYPES", "Cancelled", "Device", "Engine", "EngineConfig", "Generation", "PrefillResult",
-           "SamplingConfig", "Speculation", "cpu_has_amx", "devices", "gpu_offload_supported", "llama_version",
-           "prime_sampler"]
+__all__ = ["KV_TYPES", "Cancelled", "Device", "DraftModel", "Engine", "EngineConfig", "Generation", "PrefillResult",
+           "SamplingConfig", "Speculation", "check_vocab", "cpu_has_amx", "devices", "gpu_offload_supported",
+           "llama_version", "prime_sampler"]
