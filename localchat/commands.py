@@ -87,6 +87,11 @@ def cmd_plan(argv: Sequence[str]) -> int:
         _out(f"profile    {profile.name} ({profile.source})")
         for line in planmod.describe(plan):
             _out(line)
+        if profile.draft_model:
+            draft, need, room = runtime.draft_need(profile, plan, _report)
+            where = (f"{room / (1 << 20):,.0f} MiB left on the card -> {'fits' if need <= room else 'DOES NOT FIT'}"
+                     if plan.gpu else "in RAM beside the model")
+            _out(f"draft      {draft.name}: {need / (1 << 20):,.0f} MiB (weights, f16 KV, compute), {where}")
     planmod.check_fits(plan, profile)
     return 0
 

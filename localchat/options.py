@@ -27,7 +27,8 @@ def profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-type", choices=("f16", "q8_0", "q4_0"), help="KV cache type for K and V")
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--threads", type=_threads, dest="n_threads", metavar="N|auto",
-                   help="CPU threads, or auto (default: the physical cores other work leaves free)")
+                   help="CPU threads for tokens and prompt batches, or auto (default: the physical cores "
+                        "other work leaves free)")
     p.add_argument("--draft-model", metavar="GGUF", help="a small model of the same vocabulary that drafts tokens")
     p.add_argument("--speculate", choices=("auto", "on", "off"),
                    help="draft from the conversation's own text and verify in batches (auto: where it pays)")
@@ -37,6 +38,8 @@ def profile_args(p: argparse.ArgumentParser) -> None:
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The profile settings given on the command line: every option named after a profile key."""
     o = {k: getattr(args, k) for k in SETTING_KEYS if hasattr(args, k)}
+    if o.get("n_threads") is not None:  # --threads is for tokens and prompt batches alike
+        o["n_threads_batch"] = o["n_threads"]
     if getattr(args, "kv_type", None):
         o["type_k"] = o["type_v"] = args.kv_type
     if getattr(args, "no_autosave", False):

@@ -157,17 +157,23 @@ def chat_format(engine: Engine) -> ChatFormat:
         raise ModelError(f"{name}: {exc}") from None
 
 
-def open_draft(profile: Profile, plan: MemoryPlan, engine: Engine, report: Report) -> DraftModel:
-    """The draft model beside the model: on the same devices, with an f16 KV of the same n_ctx, which the
-    card must hold on top of the plan; refused when its vocabulary is not the model's."""
+def draft_need(profile: Profile, plan: MemoryPlan, report: Report) -> tuple[ModelInfo, int, int]:
+    """The draft model, the bytes it takes beside the plan (its weights, an f16 KV of the same n_ctx, its
+    compute buffers) and the room the plan leaves on the card (0 on a CPU profile: no card to fit)."""
     info = models.model_info(models.resolve(profile.draft_model, report))
-    if plan.gpu:
-        need = info.file_size + plan.n_ctx * info.kv_bytes_per_token() + DRAFT_COMPUTE
-        room, _ = planmod.room_for(profile, plan.device_free_bytes)
-        if plan.total_gpu_bytes + need > room:
-            raise ProfileError(f"{profile.source}: the draft model {info.name} needs {need / (1 << 30):.2f} GiB of GPU "
-                               f"memory beside the plan's {plan.total_gpu_bytes / (1 << 30):.2f} GiB, over the "
-                               f"{room / (1 << 30):.2f} GiB there is room for; lower n_ctx or drop draft_model")
+    need = info.file_size + plan.n_ctx * info.kv_bytes_per_token() + DRAFT_COMPUTE
+    room = planmod.room_for(profile, plan.device_free_bytes)[0] - plan.total_gpu_bytes if plan.gpu else 0
+    return info, need, room
+
+
+def open_draft(profile: Profile, plan: MemoryPlan, engine: Engine, report: Report) -> DraftModel:
+    """The draft model beside the model: on the same devices, which on a GPU profile must hold it on top
+    of the plan; refused when its vocabulary is not the model's."""
+    info, need, room = draft_need(profile, plan, report)
+    if plan.gpu and need > room:
+        raise ProfileError(f"{profile.source}: the draft model {info.name} needs {need / (1 << 30):.2f} GiB of GPU "
+                           f"memory beside the plan's {plan.total_gpu_bytes / (1 << 30):.2f} GiB, and "
+                           f"{max(room, 0) / (1 << 30):.2f} GiB is left; lower n_ctx or drop draft_model")
     draft = Engine(replace(engine.config, model_path=str(info.path), type_k="f16", type_v="f16"))
     try:
         check_vocab(engine, draft)

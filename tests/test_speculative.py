@@ -225,3 +225,5 @@ def test_a_draft_model_that_does_not_fit_beside_the_plan_is_refused_before_it_lo
     with pytest.raises(ProfileError) as exc:
         open_draft(replace(card, draft_model=str(demo_path)), laid, demo_engine, lambda t: None)
     assert "the draft model" in str(exc.value) and "lower n_ctx or drop draft_model" in str(exc.value)
+    shown = run_cli(["plan", "--model", str(demo_path), "--draft-model", str(demo_path)])
+    assert shown.returncode == 0 and "draft      " in shown.stdout and "in RAM beside the model" in shown.stdout

@@ -60,6 +60,12 @@ def test_profile_and_command_line_take_auto_or_a_number():
     with pytest.raises(ProfileError, match="--threads: 'many'"):
         with_overrides(load_profile("cpu", {}), n_threads="many")
     assert _threads("auto") == "auto" and _threads("4") == 4
+    import argparse
+
+    from localchat.options import overrides
+    given = overrides(argparse.Namespace(n_threads=2))  # --threads 2: tokens and prompt batches
+    assert given["n_threads"] == given["n_threads_batch"] == 2
+    assert overrides(argparse.Namespace(n_threads=None)).get("n_threads_batch") is None  # the profile's stays
 
 
 def test_a_busy_process_takes_a_thread_and_gives_it_back_when_it_stops(home, tmp_path, demo_path):
