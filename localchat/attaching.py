@@ -10,14 +10,18 @@ from localchat.errors import DocumentError
 QUESTION_ROOM = 64  # tokens kept for the words that go with the documents
 
 
+def _kept(chat: ChatSession) -> int:
+    """Tokens of the window that never leave it: the system prefix and pinned exchanges."""
+    return len(chat.conv.window_tokens()) - sum(end - start for _, start, end in chat.conv.evictable())
+
+
 def room(chat: ChatSession) -> tuple[int, int]:
     """(tokens free now, tokens free once every exchange that may leave the window has left it),
     for documents, after the pending ones and the room for a question and its reply."""
-    window = chat.conv.window_tokens()
-    can_leave = sum(end - start for _, start, end in chat.conv.evictable())
     reserve = QUESTION_ROOM + chat.settings.max_tokens + len(chat.docs.tokens())
-    free_now = chat.engine.n_ctx - len(window) - reserve
-    return free_now, free_now + can_leave
+    kept = _kept(chat)
+    most = chat.engine.n_ctx - kept - reserve
+    return most - (len(chat.conv.window_tokens()) - kept), most
 
 
 def add(chat: ChatSession, specs: list[str]) -> list[str]:
@@ -43,7 +47,7 @@ def add(chat: ChatSession, specs: list[str]) -> list[str]:
 def _refuse(chat: ChatSession, docs: list[Document], most: int) -> None:
     total = sum(len(d.tokens) for d in docs)
     what = docs[0].name if len(docs) == 1 else f"{len(docs)} files"
-    pinned = len(chat.conv.window_tokens()) - sum(end - start for _, start, end in chat.conv.evictable())
+    pinned = _kept(chat)
     share = f"; about {max(most, 0) / total:.0%} of it would fit" if most > 0 else ""
     raise DocumentError(
         f"{what} is {total:,} tokens and does not fit: the context holds {chat.engine.n_ctx:,}, less "

@@ -49,7 +49,7 @@ def _chat(rt: runtime.Runtime, home: Path, name: str, doc: Path, store: bool) ->
     if session:
         session.lock()
     ctl = SessionControl(rt, session, lambda _: None, autosave=False)
-    assert ctl.kv.hasher.value  # the model's hash (once per model per machine) is not part of a chat's wait
+    _ = ctl.kv.hasher.value  # waits for the model's hash (once per model per machine): not part of a chat's wait
     attaching.add(rt.chat, [str(doc)])
     st = ctl.turn(QUESTION)
     ctl.close()

@@ -25,6 +25,7 @@ DEFAULT_COPY_BPS = 1e9  # until the first copy out of llama.cpp has been measure
 AUTOSAVE_SHARE = 0.05
 SAMPLE_BYTES = 16 << 20  # read and hashed to estimate a restore's speed
 SPEEDS_FILE = "speeds.json"
+PREFIX_META_SUFFIX = ".json"  # beside each prefix store state: what it holds (`localchat cache list`)
 GIB = 1 << 30
 
 Progress = Callable[[int, int], None]
@@ -200,5 +201,5 @@ def prune_kv(budget: int, keep: Path) -> None:
         if path != keep:
             path.unlink(missing_ok=True)
             if path.parent == paths.prefix_dir():
-                path.with_suffix(".json").unlink(missing_ok=True)  # the prefix store's note on it
+                path.with_suffix(PREFIX_META_SUFFIX).unlink(missing_ok=True)
             total -= size

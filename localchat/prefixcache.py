@@ -21,11 +21,11 @@ from localchat.background import BackgroundWriter
 from localchat.chat import ChatSession
 from localchat.fsutil import atomic_write
 from localchat.kvdisk import DEFAULT_LOAD_BPS, KVDisk, check_state
+from localchat.kvdisk import PREFIX_META_SUFFIX as META_SUFFIX
 from localchat.statefile import StateRejected
 
 MIN_TOKENS = 16  # shorter prefixes prefill faster than any file loads
 UNMEASURED_KEEP_S = 0.5  # before this machine's load speed is known, a prefill this long is worth a file
-META_SUFFIX = ".json"  # beside each state: what it holds, for `localchat cache list`
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,10 @@ class PrefixCache:
     def __init__(self, kv: KVDisk, writer: BackgroundWriter):
         self.kv, self.writer = kv, writer
         self._refused: set[Path] = set()  # states not loaded in this run (a check failed, prefill is faster)
-        self._stored: set[int] = set()  # the token lists whose states this run kept (hashed)
+        # attached documents' targets (their tokens, hashed): looked up in the store already; stored or
+        # found there, so the idle work has nothing more to do for them
+        self._looked_up: set[int] = set()
+        self._settled: set[int] = set()
 
     def path(self, prefix: list[int]) -> Path:
         key = hashlib.sha256(json.dumps([self.kv.hasher.value, self.kv.settings, prefix]).encode())
@@ -131,19 +134,27 @@ class PrefixCache:
         base = chat.ahead.base
         end = docs.ends(len(base))[-1]
         target = base + docs.tokens()
-        hashed = not self.kv.hasher.pending  # the model's hash, part of every key; the write waits for it
-        if hashed and self.load(chat):
-            return True
         mark = hash(tuple(target))
-        if not read_ahead or end > e.n_ctx - 2 or mark in self._stored or (hashed and self.path(target).exists()):
+        if mark in self._settled:
             return False  # the read-ahead evaluates them with the words typed
+        # the model's hash is part of every key (a write waits for it); a lookup hashes each candidate's
+        # tokens, so it is made once per target, not at every idle step
+        if not self.kv.hasher.pending and mark not in self._looked_up:
+            self._looked_up.add(mark)
+            loaded = self.load(chat)
+            if loaded == end or self.path(target).exists():
+                self._settled.add(mark)
+            if loaded:
+                return True
+        if not read_ahead or end > e.n_ctx - 2 or mark in self._settled:
+            return False
         if e.common_prefix(target) < end:
             return chat.ahead.step(draft=True, upto=end)
         if e.n_kv > end:
             if not e.can_rewind_to(end):
                 return False
             e.truncate(end)  # the words typed after the documents are evaluated again next step
-        self._stored.add(mark)
+        self._settled.add(mark)
         self.snapshot(target, end / max(chat.ahead.tokens_per_s, 1.0), [d.name for d in docs.pending])
         return True
 

@@ -16,7 +16,6 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,22 +56,18 @@ def encode(header: StateHeader) -> bytes:
 def make_header(payload: bytes | memoryview, fingerprint: str, kv_settings: dict[str, Any], tokens: list[int],
                 version: str) -> StateHeader:
     return StateHeader(fingerprint, dict(kv_settings), list(tokens), len(payload),
-                       _in_chunks(memoryview(payload), CHUNK, lambda at, part: None), version, CHUNK)
+                       chunked_sha256(memoryview(payload), CHUNK), version, CHUNK)
 
 
-def _in_chunks(view: memoryview, chunk: int, fill: Callable[[int, memoryview], None]) -> str:
-    """`fill(offset, part)` for each chunk of `view`, then its digest, on a pool of threads (hashlib and
-    file reads let go of the GIL); the sha256 of the digests laid end to end."""
-    parts = [(i, view[i:i + chunk]) for i in range(0, len(view), chunk)]
-
-    def one(at_part: tuple[int, memoryview]) -> bytes:
-        fill(*at_part)
-        return hashlib.sha256(at_part[1]).digest()
-
+def chunked_sha256(view: memoryview, chunk: int) -> str:
+    """The sha256 of the digests of `view`'s chunks laid end to end, the chunks hashed on a pool of
+    threads (hashlib lets go of the GIL; a mapped file's pages are read in as they are hashed)."""
+    parts = [view[i:i + chunk] for i in range(0, len(view), chunk)]
+    digest = lambda part: hashlib.sha256(part).digest()  # noqa: E731
     if len(parts) <= 1:
-        return hashlib.sha256(b"".join(map(one, parts))).hexdigest()
+        return hashlib.sha256(b"".join(map(digest, parts))).hexdigest()
     with ThreadPoolExecutor(min(len(parts), os.cpu_count() or 1, 16)) as pool:
-        return hashlib.sha256(b"".join(pool.map(one, parts))).hexdigest()
+        return hashlib.sha256(b"".join(pool.map(digest, parts))).hexdigest()
 
 
 def read_header(path: Path) -> tuple[StateHeader, int]:
@@ -147,7 +142,7 @@ def read_payload(path: Path, header: StateHeader, offset: int) -> memoryview:
         raise StateRejected(f"cannot read the state file: {getattr(exc, 'strerror', None) or exc}") from exc
     view = memoryview(mapped)[offset:offset + header.payload_size]
     if header.payload_chunk > 0:
-        digest = _in_chunks(view, header.payload_chunk, lambda at, part: None)
+        digest = chunked_sha256(view, header.payload_chunk)
     else:
         digest = hashlib.sha256(view).hexdigest()
     if digest != header.payload_sha256:

@@ -232,7 +232,7 @@ def test_in_the_terminal_ui_a_document_is_read_or_loaded_while_the_user_types(ho
         try:
             assert f"attached {doc}: " in h.command(f"/attach {doc}")
             h.settle()
-            end = h.ctl.chat.ahead.base.__len__() + len(h.ctl.chat.docs.tokens())
+            end = len(h.ctl.chat.ahead.base) + len(h.ctl.chat.docs.tokens())
             assert h.rt.engine.n_kv == end  # held before the question is typed
             stats.append(h.say(QUESTION))
             replies.append(h.ctl.chat.conv.messages[-1].tokens)

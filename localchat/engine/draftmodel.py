@@ -15,6 +15,7 @@ import time
 import llama_cpp as lc
 
 from localchat.engine.context import Engine
+from localchat.engine.speculative import moving_average
 from localchat.engine.types import SamplingConfig
 from localchat.errors import ModelError
 
@@ -57,8 +58,7 @@ class DraftModel:
             e._decode([tok], e.n_kv, want_logits=True)
             e.tokens.append(tok)
             e.n_kv += 1
-        per_token = (time.perf_counter() - t0) / max(len(out), 1)
-        self.token_s = per_token if not self.token_s else self.token_s + 0.2 * (per_token - self.token_s)
+        self.token_s = moving_average(self.token_s, (time.perf_counter() - t0) / max(len(out), 1))
         return out
 
     def close(self) -> None:

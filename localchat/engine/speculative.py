@@ -131,9 +131,9 @@ class Speculation:
         """A step's wall time, from its first token to the next step (the handing out of its tokens
         included): one token plainly, or a verified draft and the tokens it kept."""
         if not drafted:
-            self.step_s = _average(self.step_s, seconds)
+            self.step_s = moving_average(self.step_s, seconds)
         elif self.step_s:  # the verification's cost beyond one step, per draft token (the draft model's time apart)
-            self.slope = _average(self.slope, max(0.0, ((seconds - self._model_s) / self.step_s - 1) / drafted))
+            self.slope = moving_average(self.slope, max(0.0, ((seconds - self._model_s) / self.step_s - 1) / drafted))
 
     def record_draft(self, produced: int, drafted: int) -> None:
         """How a draft fared: `produced`, the tokens its verification handed out (kept + the next one)."""
@@ -149,7 +149,8 @@ class Speculation:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-def _average(old: float, new: float, weight: float = 0.2) -> float:
+def moving_average(old: float, new: float, weight: float = 0.2) -> float:
+    """`new` folded into the running `old` (the first measurement is taken as it is)."""
     return new if not old else old + weight * (new - old)
 
 
