@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from localchat import models, prefixcache, profiles, runtime, statefile
+from localchat import models, planview, prefixcache, profiles, runtime, statefile
 from localchat import plan as planmod
 from localchat.errors import ModelError, ProfileError, SessionError
 from localchat.fetch import BUILTIN_MODELS
@@ -80,12 +80,12 @@ def cmd_plan(argv: Sequence[str]) -> int:
                                                                              _report))
     if warning:
         _report(f"localchat: warning: {warning}")
-    plan = planmod.make_plan(profile, info, free=runtime.gpu_free(profile))
+    plan = planmod.make_plan(profile, info, cards=runtime.cards_for(profile))
     if args.json:
         print_json(plan.to_json())
     else:
         _out(f"profile    {profile.name} ({profile.source})")
-        for line in planmod.describe(plan):
+        for line in planview.describe(plan):
             _out(line)
         if profile.draft_model:
             draft, need, room = runtime.draft_need(profile, plan, _report)

@@ -19,6 +19,10 @@ def _threads(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"'{text}' is not auto or a number") from None
 
 
+def _servers(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
 def profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", "-p", help="profile name or YAML path (default: cpu)")
     p.add_argument("--model", "-m", help="GGUF path, built-in (demo, gemma-270m) or a name from 'localchat models'")
@@ -29,6 +33,10 @@ def profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_threads, dest="n_threads", metavar="N|auto",
                    help="CPU threads for tokens and prompt batches, or auto (default: the physical cores "
                         "other work leaves free)")
+    p.add_argument("--rpc", type=_servers, dest="rpc_servers", metavar="HOST:PORT[,...]",
+                   help="llama.cpp rpc-server processes whose devices take layers (a trusted network only)")
+    p.add_argument("--rpc-public", action="store_true", default=None,
+                   help="allow RPC servers at public addresses (RPC is unauthenticated and unencrypted)")
     p.add_argument("--draft-model", metavar="GGUF", help="a small model of the same vocabulary that drafts tokens")
     p.add_argument("--speculate", choices=("auto", "on", "off"),
                    help="draft from the conversation's own text and verify in batches (auto: where it pays)")

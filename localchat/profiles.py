@@ -19,6 +19,7 @@ HISTORY = ("official", "as-sampled")
 THINK = ("on", "off", "low", "medium", "high")
 MAX_PROFILE_BYTES = 256 * 1024
 QUANTIZED = ("q8_0", "q4_0")
+SPLIT_MODES = ("none", "layer", "row")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,12 @@ class Profile:
     free_margin_gb: float = 0.25  # kept free of what the card really has free at start
     model: str | None = None
     n_gpu_layers: int = 0  # -1: all
+    gpus: int = 1  # local GPUs the model spreads over (CUDA0..gpus-1), each of vram_gb
+    split_mode: str = "layer"  # with several devices: whole layers per device, or rows of each matrix
+    tensor_split: tuple[float, ...] | None = None  # each device's share (RPC servers' first); None: by room
+    main_gpu: int = 0  # the GPU used with one GPU (gpus: 1 or split_mode: none); with row, the results' GPU
+    rpc_servers: tuple[str, ...] = ()  # host:port of llama.cpp rpc-server processes whose devices take layers
+    rpc_public: bool = False  # allow RPC servers outside loopback and private networks (RPC has no security)
     n_ctx: int | str = 4096  # or "auto": the largest that fits
     type_k: str = "f16"
     type_v: str = "f16"
@@ -84,6 +91,15 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "free_margin_gb": (_NUM, lambda v: 0 <= v <= 4096, "a number of GB, 0 or more"),
     "model": ((str, type(None)), lambda v: True, "a .gguf path, a built-in model or a model name"),
     "n_gpu_layers": ((int,), lambda v: v >= -1, "-1 (all), 0 (CPU) or a number of layers"),
+    "gpus": ((int,), lambda v: 1 <= v <= 16, "a number of GPUs, 1 to 16"),
+    "split_mode": ((str,), lambda v: v in SPLIT_MODES, "one of " + ", ".join(SPLIT_MODES)),
+    "tensor_split": ((list, tuple, type(None)), lambda v: v is None or (
+        0 < len(v) <= 32 and all(isinstance(x, _NUM) and not isinstance(x, bool) and x >= 0 for x in v)
+        and sum(v) > 0), "a list of shares, one per device, 0 or more, not all 0"),
+    "main_gpu": ((int,), lambda v: 0 <= v < 16, "a GPU index, 0 to 15"),
+    "rpc_servers": ((list, tuple), lambda v: len(v) <= 16 and all(isinstance(x, str) for x in v),
+                    "a list of host:port strings"),
+    "rpc_public": ((bool,), lambda v: True, "true or false"),
     "n_ctx": ((int, str), lambda v: v == "auto" or (isinstance(v, int) and 256 <= v <= 1 << 21),
               "'auto' or a number of tokens from 256 up"),
     "type_k": ((str,), lambda v: v in KV_TYPES, "one of " + ", ".join(KV_TYPES)),
@@ -232,6 +248,9 @@ def load(name_or_path: str) -> Profile:
     for k, (types, _, _) in _RULES.items():
         if types is _NUM and k in merged:
             merged[k] = float(merged[k])  # YAML's 12 and 12.0 mean the same number of GB
+    for k in ("tensor_split", "rpc_servers"):
+        if merged.get(k) is not None:
+            merged[k] = tuple(merged[k])
     top = chain[0][0]
     profile = Profile(name=Path(name_or_path).stem if top.suffix else name_or_path, source=str(top), **merged)
     check_consistency(profile)
@@ -246,6 +265,18 @@ def check_consistency(p: Profile) -> None:
     if p.offloads and p.flash_attn and p.type_k != p.type_v:
         raise ProfileError(f"{p.source}: type_k: {p.type_k} with type_v: {p.type_v} has no CUDA flash-attention "
                            f"kernel in a default build; set both to the same type")
+    if p.split_mode == "row" and p.rpc_servers:
+        raise ProfileError(f"{p.source}: split_mode: row splits matrices over local CUDA GPUs only; use layer "
+                           "with rpc_servers")
+    if p.rpc_servers and not p.offloads:
+        raise ProfileError(f"{p.source}: rpc_servers take layers only when n_gpu_layers is -1 (all) or above 0")
+    devices = p.gpus + len(p.rpc_servers) if p.offloads else 0
+    if p.tensor_split is not None and len(p.tensor_split) != devices:
+        raise ProfileError(f"{p.source}: tensor_split has {len(p.tensor_split)} shares for {devices} devices "
+                           f"({len(p.rpc_servers)} RPC servers, then {p.gpus} GPUs); give one share per device")
+    if p.gpus > 1 and p.split_mode != "none" and p.main_gpu >= p.gpus:
+        raise ProfileError(f"{p.source}: main_gpu {p.main_gpu} is not one of the profile's {p.gpus} GPUs "
+                           f"(0 to {p.gpus - 1})")
     if p.n_ubatch > p.n_batch:
         raise ProfileError(f"{p.source}: n_ubatch ({p.n_ubatch}) is larger than n_batch ({p.n_batch}); "
                            "lower n_ubatch or raise n_batch")

@@ -45,7 +45,8 @@ def bar_state(ctl: SessionControl) -> status.BarState:
         kv_type=rt.engine.config.type_k if rt.engine.config.type_k == rt.engine.config.type_v
         else f"{rt.engine.config.type_k}/{rt.engine.config.type_v}",
         kv_bytes_per_token=rt.kv_bytes_per_token,
-        autosave=ctl.save_status)
+        devices=tuple((d.name, d.total_bytes, d.room_bytes) for d in rt.plan.devices) if len(rt.plan.devices) > 1
+        else (), autosave=ctl.save_status)
 
 
 def _history(ctl: SessionControl) -> History:

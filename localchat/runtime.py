@@ -8,10 +8,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from localchat import models, profiles
+from localchat import models, profiles, rpc
 from localchat import plan as planmod
 from localchat.chat import ChatSession, ChatSettings
 from localchat.engine import (
+    Device,
     DraftModel,
     Engine,
     EngineConfig,
@@ -19,9 +20,13 @@ from localchat.engine import (
     check_vocab,
     devices,
     gpu_offload_supported,
+    register_rpc,
+    row_split_supported,
+    rpc_supported,
 )
 from localchat.errors import ModelError, ProfileError, TemplateFailure
 from localchat.models import ModelInfo
+from localchat.placement import Card
 from localchat.plan import MemoryPlan
 from localchat.profiles import Profile, thread_count
 from localchat.templates import ChatFormat, template_problem
@@ -31,6 +36,7 @@ log = logging.getLogger(__name__)
 
 CUDA_INSTALL = ('CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir '
                 '"llama-cpp-python>=0.3.36,<0.4"')
+RPC_INSTALL = CUDA_INSTALL.replace("-DGGML_CUDA=on", "-DGGML_RPC=on")
 
 Report = Callable[[str], None]
 DRAFT_COMPUTE = 256 << 20  # a small draft model's compute buffers, rounded up
@@ -77,20 +83,54 @@ def resolve_model(profile: Profile, report: Report) -> ModelInfo:
     return models.model_info(models.resolve(profile.model, report))
 
 
+def local_gpus() -> list[Device]:
+    """This machine's GPUs as llama.cpp numbers them (CUDA0, ...), RPC servers' devices left out."""
+    return [d for d in devices() if d.kind == "gpu" and not d.name.startswith("RPC")]
+
+
 def effective_profile(profile: Profile) -> tuple[Profile, str]:
-    """Without a GPU build, offloading does nothing: plan for the CPU and say so once."""
-    if profile.offloads and not gpu_offload_supported():
-        warning = (f"profile '{profile.name}' offloads layers but this llama-cpp-python has no GPU support; "
-                   f"running on the CPU. Install the CUDA build: {CUDA_INSTALL}")
-        return replace(profile, n_gpu_layers=0, vram_gb=0.0, reserve_gb=0.0), warning
-    return profile, ""
+    """Without a GPU build, offloading does nothing: plan for the CPU and say so once. RPC servers need a
+    build with the RPC backend: stop with the install command."""
+    if profile.offloads and profile.rpc_servers and not rpc_supported():
+        raise ProfileError(f"{profile.source}: rpc_servers need llama-cpp-python built with the RPC backend: "
+                           f"{RPC_INSTALL}")
+    if not (profile.offloads and profile.vram_gb > 0) or (gpu_offload_supported() and local_gpus()):
+        return profile, ""
+    if profile.rpc_servers:  # the layers go to the RPC servers' devices alone
+        return replace(profile, vram_gb=0.0, reserve_gb=0.0), (
+            f"profile '{profile.name}' names GPUs but this machine has none llama.cpp can use; "
+            f"the layers go to the RPC servers alone. The CUDA build: {CUDA_INSTALL}")
+    warning = (f"profile '{profile.name}' offloads layers but this llama-cpp-python has no GPU support; "
+               f"running on the CPU. Install the CUDA build: {CUDA_INSTALL}")
+    return replace(profile, n_gpu_layers=0, vram_gb=0.0, reserve_gb=0.0), warning
 
 
-def gpu_free(profile: Profile) -> int:
-    """Bytes free now on the GPU the profile offloads to (0: no GPU profile, or none found)."""
-    if not profile.offloads or profile.vram_gb <= 0:
-        return 0
-    return next((d.free for d in devices() if d.kind == "gpu"), 0)
+def cards_for(profile: Profile) -> list[Card]:
+    """The devices the profile spreads the model over, read now: each RPC server's devices (checked,
+    asked for their free memory; llama.cpp puts them first) and then the profile's GPUs."""
+    if not profile.offloads:
+        return []
+    margin = int(profile.free_margin_gb * (1 << 30))
+    remote = []
+    for endpoint in profile.rpc_servers:
+        rpc.check_address(endpoint, profile.rpc_public)
+        remote += rpc.probe(endpoint)
+    cards = [Card(f"RPC{i}", max(d.free - margin, 0), d.free, local=False, endpoint=d.endpoint)
+             for i, d in enumerate(remote)]
+    if profile.vram_gb <= 0:
+        return cards
+    gpus, budget = local_gpus(), planmod.budget_bytes(profile)
+    want = 1 if profile.split_mode == "none" else profile.gpus
+    first = profile.main_gpu if want == 1 else 0
+    if first + want > len(gpus):
+        have = ", ".join(f"{d.name} ({d.description})" for d in gpus) or "none"
+        raise ProfileError(f"{profile.source}: the profile uses {want} GPU(s) from CUDA{first}, this machine has "
+                           f"{len(gpus)}: {have}; set gpus (or main_gpu) to what is there")
+    if profile.split_mode == "row" and want > 1 and not row_split_supported():
+        raise ProfileError(f"{profile.source}: split_mode: row needs the CUDA backend's split buffers, which the "
+                           f"llama.cpp of this llama-cpp-python no longer has (llama-bench -sm row fails alike); "
+                           f"use split_mode: layer")
+    return cards + [Card(d.name, budget, d.free) for d in gpus[first:first + want]]
 
 
 def fit_trained_context(profile: Profile, info: ModelInfo, explicit_ctx: bool, report: Report) -> Profile:
@@ -109,7 +149,7 @@ def fit_trained_context(profile: Profile, info: ModelInfo, explicit_ctx: bool, r
 def plan_for(profile: Profile, info: ModelInfo, report: Report | None = None) -> MemoryPlan:
     """The memory plan against the profile and the memory free on the card now; stops before
     loading when it does not fit, and says when the free memory, not the profile, set the context."""
-    plan = planmod.make_plan(profile, info, free=gpu_free(profile))
+    plan = planmod.make_plan(profile, info, cards=cards_for(profile))
     planmod.check_fits(plan, profile)
     if report and plan.limited_by == "free memory" and profile.n_ctx == "auto":
         report(f"localchat: {plan.device_free_bytes / (1 << 30):.2f} GiB free on the card, less than the profile's "
@@ -117,9 +157,16 @@ def plan_for(profile: Profile, info: ModelInfo, report: Report | None = None) ->
     return plan
 
 
-def engine_config(profile: Profile, info: ModelInfo, n_ctx: int, verbose: bool, cores: int = 0) -> EngineConfig:
-    """`cores`: the thread count auto starts from (0: every logical CPU)."""
+def engine_config(profile: Profile, info: ModelInfo, n_ctx: int, verbose: bool, cores: int = 0,
+                  plan: MemoryPlan | None = None) -> EngineConfig:
+    """`cores`: the thread count auto starts from (0: every logical CPU); `plan`: the devices it placed
+    the model on (without one, llama.cpp's own choice)."""
+    cards = [d.name for d in plan.devices] if plan and plan.gpu else []
+    split = plan.shares if plan and len(cards) > 1 else []
+    main = cards.index(f"CUDA{profile.main_gpu}") if profile.split_mode == "row" and len(cards) > 1 else 0
     return EngineConfig(
+        devices=tuple(cards), split_mode=profile.split_mode if len(cards) > 1 else "none",
+        tensor_split=tuple(split), main_gpu=main,
         model_path=str(info.path), n_ctx=n_ctx, n_gpu_layers=profile.n_gpu_layers,
         n_threads=thread_count(profile.n_threads) or cores,
         n_threads_batch=thread_count(profile.n_threads_batch) or cores, flash_attn=profile.flash_attn,
@@ -190,7 +237,9 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
     info = resolve_model(profile, report)
     profile, warning = effective_profile(fit_trained_context(profile, info, explicit_ctx, report))
     plan = plan_for(profile, info, report)
-    engine = Engine(engine_config(profile, info, plan.n_ctx, verbose, threads.cores))
+    for endpoint in profile.rpc_servers if plan.gpu else ():
+        register_rpc(endpoint)  # answered rpc.probe in cards_for: ggml aborts on a server that does not
+    engine = Engine(engine_config(profile, info, plan.n_ctx, verbose, threads.cores, plan))
     try:
         fmt = chat_format(engine)
     except ModelError:

@@ -9,8 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from localchat import attaching, clipboard, prefixcache, transcript
-from localchat import plan as planmod
+from localchat import attaching, clipboard, planview, prefixcache, transcript
 from localchat.profiles import SETTING_KEYS
 from localchat.sessionctl import SessionControl, auto_name
 from localchat.stats import TurnStats
@@ -169,7 +168,7 @@ def _profile(ctx: CommandContext, arg: str) -> str:
     decode, batch = rt.engine.threads
     why = f" ({rt.threads_why})" if rt.threads_why else ""
     threads = f"  threads: {decode} per token, {batch} per prompt batch{why}"
-    return "\n".join(head + [threads] + ["  " + line for line in planmod.describe(rt.plan, rt.engine.buffers)])
+    return "\n".join(head + [threads] + ["  " + line for line in planview.describe(rt.plan, rt.engine.buffers)])
 
 
 def _pin(ctx: CommandContext, arg: str) -> str:

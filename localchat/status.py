@@ -37,10 +37,19 @@ class BarState:
     autosave: str = ""  # saved, saving, failed: <why>, off
     notice: str = ""
     read_ahead: int = 0  # tokens of the message being typed already in the KV
+    devices: tuple[tuple[str, int, int], ...] = ()  # a split model: each device's name, planned bytes, room
 
 
 def _mib(n: float) -> str:
     return f"{n / (1 << 20):.0f} MiB"
+
+
+def _where(s: BarState) -> str:
+    """Where the model runs: each device's planned memory of its room when split, else the GPU's layers."""
+    if s.devices:
+        gib = 1 << 30
+        return "| " + " ".join(f"{n} {used / gib:.1f}/{room / gib:.0f}G" for n, used, room in s.devices) + " "
+    return f"| GPU {s.layers_gpu}/{s.layers_total} " if s.layers_gpu else "| CPU "
 
 
 def _reply_parts(st: TurnStats) -> list[str]:
@@ -101,7 +110,7 @@ def toolbar(s: BarState) -> Fragments:
     frags += [
         ("class:bar", f"| ctx {s.ctx_used}/{s.n_ctx} ({pct:.0f}%) "),
         ("class:bar", f"| KV {s.kv_type} {_mib(s.ctx_used * s.kv_bytes_per_token)} "),
-        ("class:bar", f"| GPU {s.layers_gpu}/{s.layers_total} " if s.layers_gpu else "| CPU "),
+        ("class:bar", _where(s)),
         ("class:bar", f"| {s.model} "),
     ]
     if s.autosave:

@@ -7,11 +7,13 @@
 #   bash scripts/gpu_final.sh decode OUTDIR   # build + the 8B shape, bench --decode against llama-bench, verify cost
 #   bash scripts/gpu_final.sh document OUTDIR # build + the 8B shape, bench --document 20000 (KVS: f16 q8_0)
 #   bash scripts/gpu_final.sh statecost OUTDIR # build + the 8B shape, a 20,000-token state's way to disk and back
+#   bash scripts/gpu_final.sh split OUTDIR     # two GPUs (nvidia-h200-x2): the 8B shape on one GPU, split by layer
+#                                               # and by row: plan per device, tokens, speeds, a session moved
 # A phase finds the build and the models of an earlier one on the same machine, else makes them.
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-case $PHASE in decode|document|statecost) export MODELS=${MODELS:-8b-gqa};; esac  # one model: the build and it fit with the runs
+case $PHASE in decode|document|statecost|split|split2) export MODELS=${MODELS:-8b-gqa};; esac  # one model: the build and it fit with the runs
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
 if [ ! -f /tmp/lcgpu/env.sh ] || ! have_models; then
@@ -62,6 +64,45 @@ case $PHASE in
       echo "state cost ($kv) at $(( $(date +%s) - t0 )) s"
     done
     cat "$OUT/state-cost-8b.jsonl"
+    ;;
+  split)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the x2 machine's rule
+    nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv > "$OUT/gpus.txt"
+    timeout 300 python3 scripts/split_check.py $M/8b-gqa.gguf --profiles h200 h200x2 --reply 256 --repeat 5 \
+      > "$OUT/split-8b-ctx32768.jsonl" 2> "$OUT/split-8b.err"
+    echo "split check at $(( $(date +%s) - t0 )) s"
+    for p in h200 h200x2 h200 h200x2; do  # a session saved on one GPU, resumed on two, and back
+      printf 'Name three colours.\n' | timeout 60 python3 -m localchat --profile $p --model $M/8b-gqa.gguf \
+        --session moved --temperature 0 --max-tokens 24 --speculate off --stats-json "$OUT/session-moved.jsonl" \
+        >> "$OUT/session-moved.txt" 2>> "$OUT/session-moved.err"
+    done
+    printf 'And one more.\n' | timeout 60 python3 -m localchat --profile h200x2 --model $M/8b-gqa.gguf --kv-type q8_0 \
+      --session moved --temperature 0 --max-tokens 24 --speculate off --stats-json "$OUT/session-moved.jsonl" \
+      >> "$OUT/session-moved.txt" 2>> "$OUT/session-moved.err"  # another KV type: the state is refused
+    echo "session moved at $(( $(date +%s) - t0 )) s"
+    printf 'extends: h200x2\nsplit_mode: row\n' > /tmp/row.yaml
+    python3 -m localchat plan --profile /tmp/row.yaml --model $M/8b-gqa.gguf > "$OUT/plan-row.txt" 2>&1
+    python3 -m localchat plan --profile h200x2 --model $M/8b-gqa.gguf > "$OUT/plan-x2.txt" 2>&1
+    timeout 100 $B/llama-bench -m $M/8b-gqa.gguf -ngl 99 -fa 1 -sm none,layer -p 2048 -n 128 -r 3 -o json \
+      > "$OUT/llama-bench-split.json" 2> "$OUT/llama-bench-split.err"
+    echo "llama-bench at $(( $(date +%s) - t0 )) s"
+    tail -c 3000 "$OUT/split-8b-ctx32768.jsonl"; cat "$OUT/plan-row.txt" "$OUT/plan-x2.txt"; grep -v ggml_cuda_init \
+      "$OUT/session-moved.err" | grep -v "Device [01]"; python3 -c "import json,sys; [print(l.get('turn'), \
+      l.get('kv_restored'), l.get('cached_tokens'), l.get('recomputed_tokens'), l.get('miss_cause')) \
+      for l in map(json.loads, open(sys.argv[1]))]" "$OUT/session-moved.jsonl"
+    ;;
+  split2)  # the compute buffers of a layer split at other n_ctx; what stops a row split loading
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    for ctx in 8192 16384; do
+      timeout 100 python3 scripts/split_check.py $M/8b-gqa.gguf --profiles h200x2 --ctx $ctx --reply 32 --repeat 1 \
+        > "$OUT/split-ctx$ctx.jsonl" 2>&1
+    done
+    echo "ctx sweep at $(( $(date +%s) - t0 )) s"
+    timeout 60 $B/llama-bench -m $M/8b-gqa.gguf -ngl 99 -fa 1 -sm row -p 512 -n 32 -r 1 -v > "$OUT/row-bench.log" 2>&1
+    timeout 60 $B/llama-bench -m $M/tiny.gguf -ngl 99 -fa 1 -sm row -p 512 -n 32 -r 1 > "$OUT/row-bench-tiny.log" 2>&1
+    timeout 60 python3 -m localchat plan --profile h200x2 --model $M/8b-gqa.gguf > "$OUT/plan-x2.txt" 2>&1
+    grep -n "error\|failed\|row\|split" "$OUT/row-bench.log" | tail -30; tail -5 "$OUT/row-bench-tiny.log"
+    for f in "$OUT"/split-ctx*.jsonl; do tail -c 2500 "$f"; done; cat "$OUT/plan-x2.txt"
     ;;
 esac
 ls -la "$OUT"

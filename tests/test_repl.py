@@ -170,7 +170,8 @@ def test_ctrl_c_mid_reply_keeps_the_partial_reply_and_the_kv(home, demo_path):
         h.type("Write a long story about a dragon." + ENTER)
         h.wait(lambda: h.repl.bar.live_tokens > 5)
         h.type(CTRL_C)
-        h.wait(lambda: len(h.stats) == 1)
+        # the turn's stats are written before the UI thread prints the cut notice
+        h.wait(lambda: len(h.stats) == 1 and "[reply cut: cancelled]" in h.printed)
         st = h.stats[0]
         assert st["cut"] and st["stop_reason"] == "cancelled" and 5 <= st["reply_tokens"] < 400
         reply = h.ctl.chat.conv.messages[-1]

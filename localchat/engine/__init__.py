@@ -4,7 +4,16 @@
 the Engine itself: one llama.cpp context holding a token-canonical KV.
 """
 
-from localchat.engine.backend import KV_TYPES, cpu_has_amx, devices, gpu_offload_supported, llama_version
+from localchat.engine.backend import (
+    KV_TYPES,
+    cpu_has_amx,
+    devices,
+    gpu_offload_supported,
+    llama_version,
+    register_rpc,
+    row_split_supported,
+    rpc_supported,
+)
 from localchat.engine.context import Engine
 from localchat.engine.draftmodel import DraftModel, check_vocab
 from localchat.engine.sampling import prime as prime_sampler
@@ -13,4 +22,5 @@ from localchat.engine.types import Cancelled, Device, EngineConfig, Generation, 
 
 __all__ = ["KV_TYPES", "Cancelled", "Device", "DraftModel", "Engine", "EngineConfig", "Generation", "PrefillResult",
            "SamplingConfig", "Speculation", "check_vocab", "cpu_has_amx", "devices", "gpu_offload_supported",
-           "llama_version", "prime_sampler"]
+           "llama_version", "prime_sampler", "register_rpc", "row_split_supported",
+           "rpc_supported"]

@@ -116,10 +116,70 @@ def cpu_has_amx() -> bool:
         return False
 
 
+def rpc_supported() -> bool:
+    return bool(lc.llama_supports_rpc())
+
+
+def _proc_address(reg_name: bytes, fn_name: bytes) -> int | None:
+    lib = _ggml()
+    lib.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
+    lib.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    reg = lib.ggml_backend_reg_by_name(reg_name)
+    return lib.ggml_backend_reg_get_proc_address(reg, fn_name) if reg else None
+
+
+def row_split_supported() -> bool:
+    """Whether the CUDA backend still offers split buffers (llama.cpp's row split needs them)."""
+    init_backend(_VERBOSE[0])
+    return bool(_proc_address(b"CUDA", b"ggml_backend_split_buffer_type"))
+
+
+def register_rpc(endpoint: str) -> None:
+    """Make an rpc-server's devices ggml devices (named RPC0, RPC1, ...). The caller has checked that the
+    server answers: ggml aborts the process when it cannot connect."""
+    init_backend(_VERBOSE[0])
+    lib = _ggml()
+    lib.ggml_backend_register.argtypes = [ctypes.c_void_p]
+    fn = _proc_address(b"RPC", b"ggml_backend_rpc_add_server")
+    if not fn:
+        raise RuntimeError("this llama.cpp has no RPC backend")
+    server = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(fn)(endpoint.encode())
+    if not server:
+        raise RuntimeError(f"the RPC server {endpoint} offers no device")
+    if not any(d.description == endpoint for d in devices()):  # ggml keeps one registry per endpoint
+        lib.ggml_backend_register(server)
+
+
+_SPLIT_MODES = {"none": lc.LLAMA_SPLIT_MODE_NONE, "layer": lc.LLAMA_SPLIT_MODE_LAYER, "row": lc.LLAMA_SPLIT_MODE_ROW}
+
+
+def _device_handles(names: tuple[str, ...]) -> ctypes.Array:
+    """ggml's handles of the named devices, NULL-terminated, in the order given."""
+    lib = _ggml()
+    by_name = {lib.ggml_backend_dev_name(h).decode(): h
+               for h in (lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count()))}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise RuntimeError(f"no device {', '.join(missing)} (devices: {', '.join(by_name)})")
+    return (ctypes.c_void_p * (len(names) + 1))(*[by_name[n] for n in names], None)
+
+
 def model_params(config: EngineConfig) -> lc.llama_model_params:
     params = lc.llama_model_default_params()
     params.n_gpu_layers = config.n_gpu_layers
     params.use_extra_bufts = not cpu_has_amx()
+    params.split_mode = _SPLIT_MODES[config.split_mode]
+    params.main_gpu = config.main_gpu
+    if config.devices:
+        handles = _device_handles(config.devices)
+        params.devices = ctypes.cast(handles, ctypes.c_void_p)
+        params._keep_devices = handles  # alive until the model is loaded
+    if config.tensor_split:
+        shares = (ctypes.c_float * lc.LLAMA_MAX_DEVICES)(*config.tensor_split)
+        params.tensor_split = shares
+        params._keep_split = shares
     return params
 
 

@@ -20,6 +20,10 @@ class EngineConfig:
     n_ubatch: int = 512
     swa_full: bool = False
     verbose: bool = False
+    devices: tuple[str, ...] = ()  # ggml devices to offload to, in order (RPC first); (): llama.cpp's choice
+    split_mode: str = "layer"  # none, layer, row
+    tensor_split: tuple[float, ...] = ()  # each device's share; (): by free memory (llama.cpp's default)
+    main_gpu: int = 0  # index into devices: the one device (none), the results' device (row)
 
     def threads(self) -> int:
         return self.n_threads or os.cpu_count() or 1
