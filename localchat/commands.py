@@ -240,23 +240,25 @@ def cmd_profiles(argv: Sequence[str]) -> int:
                                "source": "shipped" if path.parent == profiles.shipped_dir() else "user"}
         try:
             prof = profiles.load(name)
-            row.update(vram_gb=prof.vram_gb, n_ctx=prof.n_ctx, type_k=prof.type_k, type_v=prof.type_v,
-                       n_gpu_layers=prof.n_gpu_layers, model=prof.model)
+            row.update(vram_gb=prof.vram_gb, gpus=prof.gpus if prof.split_mode != "none" else 1, n_ctx=prof.n_ctx,
+                       type_k=prof.type_k, type_v=prof.type_v, n_gpu_layers=prof.n_gpu_layers, model=prof.model,
+                       rpc_servers=list(prof.rpc_servers))
         except ProfileError as exc:
             row["error"] = str(exc)
         rows.append(row)
     if args.json:
         print_json(rows)
         return 0
-    _out(f"{'name':<12} {'card':>6} {'n_ctx':>7} {'KV':<10} {'offload':<8} {'from':<8} file")
+    _out(f"{'name':<12} {'card':>9} {'n_ctx':>7} {'KV':<10} {'offload':<8} {'from':<8} file")
     for r in rows:
         if "error" in r:
             _out(f"{r['name']:<12} {r['error']}")
             continue
-        card = f"{r['vram_gb']:g} GB" if r["vram_gb"] else "CPU"
+        card = (f"{r['gpus']}x " if r["gpus"] > 1 else "") + f"{r['vram_gb']:g} GB" if r["vram_gb"] else "CPU"
+        card += " +RPC" if r["rpc_servers"] else ""
         kv = r["type_k"] if r["type_k"] == r["type_v"] else f"{r['type_k']}/{r['type_v']}"
         offload = {0: "none", -1: "all"}.get(r["n_gpu_layers"], f"{r['n_gpu_layers']} layers")
-        _out(f"{r['name']:<12} {card:>6} {r['n_ctx']!s:>7} {kv:<10} {offload:<8} {r['source']:<8} {r['path']}")
+        _out(f"{r['name']:<12} {card:>9} {r['n_ctx']!s:>7} {kv:<10} {offload:<8} {r['source']:<8} {r['path']}")
     return 0
 
 

@@ -135,15 +135,9 @@ def budget_bytes(p: Profile) -> int:
     return int(psutil.virtual_memory().available - p.reserve_gb * GIB)
 
 
-def room_for(p: Profile, free: int) -> tuple[int, str]:
-    """What one GPU's plan may reach, and what set it: the profile's budget, or the memory free on the
-    device now (read after our CUDA context was made, hence added back) less the margin."""
-    if not _on_gpu(p):
-        return budget_bytes(p), "profile"
-    return card_room(p, Card("CUDA0", budget_bytes(p), free))
-
-
 def card_room(p: Profile, card: Card) -> tuple[int, str]:
+    """What one device's share of the plan may reach, and what set it: the profile's budget, or the memory
+    free on it now (read after our CUDA context was made, hence added back) less the margin."""
     if not card.local:
         return card.budget, "free memory"  # an RPC device: what its server has free, less the margin
     if not card.free:
@@ -172,9 +166,9 @@ def shares(p: Profile, cards: list[Card]) -> list[float]:
 def _uses(p: Profile, m: ModelInfo, cards: list[Card], n_ctx: int, type_k: str, type_v: str) -> list[CardUse]:
     if not cards:
         return []
-    where = layer_devices(m.n_layer, p.n_gpu_layers, shares(p, cards))
-    cells = m.swa_cells(n_ctx, p.n_ubatch, p.swa_full) if m.n_swa else n_ctx
     split = shares(p, cards)
+    where = layer_devices(m.n_layer, p.n_gpu_layers, split)
+    cells = m.swa_cells(n_ctx, p.n_ubatch, p.swa_full) if m.n_swa else n_ctx
     pipeline = len(cards) > 1 and p.split_mode == "layer" and all(c.local for c in cards) and None not in where
     offloaded = sum(m.layer_bytes[i] for i in range(m.n_layer) if where[i] is not None) + (
         m.output_bytes if where[m.n_layer] is not None else 0)

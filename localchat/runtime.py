@@ -209,7 +209,7 @@ def draft_need(profile: Profile, plan: MemoryPlan, report: Report) -> tuple[Mode
     compute buffers) and the room the plan leaves on the card (0 on a CPU profile: no card to fit)."""
     info = models.model_info(models.resolve(profile.draft_model, report))
     need = info.file_size + plan.n_ctx * info.kv_bytes_per_token() + DRAFT_COMPUTE
-    room = planmod.room_for(profile, plan.device_free_bytes)[0] - plan.total_gpu_bytes if plan.gpu else 0
+    room = sum(d.room_bytes - d.total_bytes for d in plan.devices)
     return info, need, room
 
 

@@ -112,6 +112,7 @@ def test_profiles_command_lists_shipped_and_user_profiles(home):
     assert "did you mean 'n_ctx'" in rows["broken"]["error"]
     text = run_cli(["profiles"], env={"LOCALCHAT_HOME": str(home)}).stdout
     assert "rtx3060" in text and "12 GB" in text and "auto" in text
+    assert rows["rtx3060x2"]["gpus"] == 2 and "rtx3060x2     2x 12 GB" in text  # two cards of 12 GB
 
 
 def test_a_profile_context_above_the_trained_one_is_capped_and_a_command_line_one_refused(home, demo_path):
