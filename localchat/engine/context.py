@@ -190,13 +190,15 @@ class Engine(VocabText):
         step: tuple[float, int, int] | None = None  # the step in flight: its start, tokens it hands out, drafted
         try:
             for i in range(max_tokens):
+                tok = ahead.pop(0) if ahead else lc.llama_sampler_sample(sampler, self.ctx, -1)
+                # a step runs from its token being known to the next one's: a GPU decodes after llama_decode
+                # returns, so the wait for a one-token step's own decode falls in that step, not the next
                 top = time.perf_counter()
-                if spec and step and len(ahead) <= 1:  # a step ends when its tokens are handed out, UI included
+                if spec and step and not ahead:  # a step ends when its tokens are handed out, UI included
                     spec.record_step(top - step[0], step[1], step[2])
                     step = None
-                tok = ahead.pop(0) if ahead else lc.llama_sampler_sample(sampler, self.ctx, -1)
                 evaluated = bool(ahead)  # a kept draft token; the last one drawn is pending like any
-                gen.last_token_at = time.perf_counter()
+                gen.last_token_at = top
                 if i == 0:
                     gen.first_token_at = gen.last_token_at
                 self.tokens.append(tok)
