@@ -180,9 +180,11 @@ def _uses(p: Profile, m: ModelInfo, cards: list[Card], n_ctx: int, type_k: str, 
             weights = round(offloaded * split[d] / sum(split))
         else:
             weights = sum(m.layer_bytes[i] for i in mine) + (m.output_bytes if output else 0)
-        compute = _compute_bytes(m, p, n_ctx, type_k, True, logits_here=output or len(cards) == 1) \
-            if mine or output else 0
-        if compute and not card.local:  # the server's backend is not told: a CPU one holds about twice the FFN
+        if not (mine or output):
+            compute = 0
+        elif card.local:
+            compute = _compute_bytes(m, p, n_ctx, type_k, True, logits_here=output or len(cards) == 1)
+        else:  # the server's backend is not told: planned as a CPU one, which holds about twice the FFN
             compute = _remote_compute(m, p, n_ctx, output)
         if compute and pipeline:
             ub = min(p.n_ubatch, p.n_batch)

@@ -110,7 +110,7 @@ def cards_for(profile: Profile) -> list[Card]:
     asked for their free memory; llama.cpp puts them first) and then the profile's GPUs."""
     if not profile.offloads:
         return []
-    margin = int(profile.free_margin_gb * (1 << 30))
+    margin = int(profile.free_margin_gb * planmod.GIB)
     remote = []
     for endpoint in profile.rpc_servers:
         rpc.check_address(endpoint, profile.rpc_public)

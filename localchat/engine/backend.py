@@ -85,6 +85,11 @@ def _ggml() -> ctypes.CDLL:
     lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
     lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
                                             ctypes.POINTER(ctypes.c_size_t)]
+    lib.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
+    lib.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    lib.ggml_backend_register.argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -122,10 +127,6 @@ def rpc_supported() -> bool:
 
 def _proc_address(reg_name: bytes, fn_name: bytes) -> int | None:
     lib = _ggml()
-    lib.ggml_backend_reg_by_name.restype = ctypes.c_void_p
-    lib.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
-    lib.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
-    lib.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     reg = lib.ggml_backend_reg_by_name(reg_name)
     return lib.ggml_backend_reg_get_proc_address(reg, fn_name) if reg else None
 
@@ -140,8 +141,6 @@ def register_rpc(endpoint: str) -> None:
     """Make an rpc-server's devices ggml devices (named RPC0, RPC1, ...). The caller has checked that the
     server answers: ggml aborts the process when it cannot connect."""
     init_backend(_VERBOSE[0])
-    lib = _ggml()
-    lib.ggml_backend_register.argtypes = [ctypes.c_void_p]
     fn = _proc_address(b"RPC", b"ggml_backend_rpc_add_server")
     if not fn:
         raise RuntimeError("this llama.cpp has no RPC backend")
@@ -149,7 +148,7 @@ def register_rpc(endpoint: str) -> None:
     if not server:
         raise RuntimeError(f"the RPC server {endpoint} offers no device")
     if not any(d.description == endpoint for d in devices()):  # ggml keeps one registry per endpoint
-        lib.ggml_backend_register(server)
+        _ggml().ggml_backend_register(server)
 
 
 _SPLIT_MODES = {"none": lc.LLAMA_SPLIT_MODE_NONE, "layer": lc.LLAMA_SPLIT_MODE_LAYER, "row": lc.LLAMA_SPLIT_MODE_ROW}
