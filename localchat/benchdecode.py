@@ -4,9 +4,10 @@ conversation and one that does not, the modes interleaved.
 
 Repetitive: the user pastes a passage of about 300 tokens and asks for it back with one change, as
 when a reply quotes a document or edits pasted code. Not repetitive: a story on a new subject.
-The speeds are medians of wall-clock tokens a second. The greedy replies are compared: past 256
-tokens of context llama.cpp computes a one-token step with other kernels than a batch (README:
-Speed), so they may part where two tokens score within rounding; where, is reported.
+The speeds are medians of wall-clock tokens a second (llama-bench's too, run once per round). The
+greedy replies are compared: past 256 tokens of context llama.cpp computes a one-token step with
+other kernels than a batch (README: Speed), so they may part where two tokens score within
+rounding; where, is reported.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def run_decode(profile: Profile, repeat: int, reply_tokens: int, report: Callabl
             rates: dict[str, list[float]] = {m: [] for m in modes}
             replies: dict[str, list[int]] = {}
             drafts: dict[str, list[int]] = {m: [0, 0] for m in modes}
+            tg_runs: list[float] = []
             for r in range(repeat):
                 for mode in modes:
                     report(f"bench --decode: {name}, speculation {mode}, run {r + 1}/{repeat}")
@@ -70,6 +72,8 @@ def run_decode(profile: Profile, repeat: int, reply_tokens: int, report: Callabl
                     rates[mode].append(tps)
                     drafts[mode][0] += drafted
                     drafts[mode][1] += accepted
+                if llama_bench:  # interleaved with the modes: this machine's speed drifts between runs
+                    tg_runs.append(run_llama_bench(llama_bench, rt.engine.config, depth, reply_tokens, repeat=1))
             med = {m: round(statistics.median(v), 1) for m, v in rates.items()}
             out["workloads"][name] = {
                 "decode_tps": med, "runs": rates, "reply_tokens": len(replies["off"]),
@@ -78,10 +82,10 @@ def run_decode(profile: Profile, repeat: int, reply_tokens: int, report: Callabl
                                              None) for m in modes},
                 "acceptance": {m: round(a / d, 3) if d else None for m, (d, a) in drafts.items()},
                 "over_off": {m: round(med[m] / med["off"], 3) for m in modes if med["off"]}}
-            if llama_bench:
-                tg = run_llama_bench(llama_bench, rt.engine.config, depth, reply_tokens)
-                out["workloads"][name]["llama_bench"] = {"depth": depth, "tg_tps": tg, "over_llama_bench": {
-                    m: round(med[m] / tg, 3) for m in modes}}
+            if tg_runs:
+                tg = statistics.median(tg_runs)
+                out["workloads"][name]["llama_bench"] = {"depth": depth, "tg_tps": round(tg, 1), "runs": tg_runs,
+                                                         "over_llama_bench": {m: round(med[m] / tg, 3) for m in modes}}
         return out
     finally:
         rt.close()

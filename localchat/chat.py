@@ -48,8 +48,8 @@ class ChatSession:
         self.pending_cause = ""  # why the next turn may recompute (state rejected, system changed)
         self._sampler = engine.make_sampler(settings.sampling)
         # a sliding-window cache may lose cells a rejected draft's tail pushed out: exact only with swa_full
-        exact = not engine.n_swa or engine.config.swa_full
-        self.speculation = Speculation(settings.speculate) if settings.speculate != "off" and exact else None
+        drafts = settings.speculate != "off" and (not engine.n_swa or engine.config.swa_full)
+        self.speculation = Speculation(settings.speculate, cost=engine.step_cost) if drafts else None
         self._bos = engine.special_text("bos")
         self._template_tokens: dict[tuple[str, bool], list[int]] = {}
         self.events: list[transcript.Record] = []  # transcript records not yet persisted, drained by the store

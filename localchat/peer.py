@@ -82,10 +82,10 @@ class PeerServer:
                 "decode_tps": float(timings.get("predicted_per_second", 0.0))}
 
 
-def run_llama_bench(path: str, c: EngineConfig, depth: int, n_gen: int) -> float:
+def run_llama_bench(path: str, c: EngineConfig, depth: int, n_gen: int, repeat: int = 3) -> float:
     """llama-bench's decode speed (tokens/s) at a context depth, same model and settings."""
     cmd = [path, *_common_flags(c), "-p", "0", "-n", str(n_gen), "-d", str(depth), "-fa", "1" if c.flash_attn else "0",
-           "-ctk", c.type_k, "-ctv", c.type_v, "-ub", str(c.n_ubatch), "-r", "3", "-o", "json"]
+           "-ctk", c.type_k, "-ctv", c.type_v, "-ub", str(c.n_ubatch), "-r", str(repeat), "-o", "json"]
     if cpu_has_amx():
         cmd += ["--repack", "0"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

@@ -5,6 +5,8 @@
 #   bash scripts/gpu_final.sh memory OUTDIR   # build + models, a fine n_ctx sweep, the 8B shape on simulated cards
 #   bash scripts/gpu_final.sh idle OUTDIR     # the 7B shape on simulated cards, bench --typing (both), --reasoning (8B)
 #   bash scripts/gpu_final.sh decode OUTDIR   # build + the 8B shape, bench --decode against llama-bench, verify cost
+#   bash scripts/gpu_final.sh demo OUTDIR     # the demo model (real weights, at /tmp/demo.gguf): bench --decode
+#                                               # against llama-bench, verify cost
 #   bash scripts/gpu_final.sh document OUTDIR # build + the 8B shape, bench --document 20000 (KVS: f16 q8_0)
 #   bash scripts/gpu_final.sh statecost OUTDIR # build + the 8B shape, a 20,000-token state's way to disk and back
 #   bash scripts/gpu_final.sh split OUTDIR     # two GPUs (nvidia-h200-x2): the 8B shape on one GPU, split by layer
@@ -13,7 +15,8 @@
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-case $PHASE in decode|document|statecost|split|split2) export MODELS=${MODELS:-8b-gqa};; esac  # one model: the build and it fit with the runs
+case $PHASE in decode|document|statecost|split|split2) export MODELS=${MODELS:-8b-gqa};; demo) export MODELS=${MODELS:-tiny};; esac
+# one model: the build and it fit with the runs (the demo phase brings its own)
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
 if [ ! -f /tmp/lcgpu/env.sh ] || ! have_models; then
@@ -49,6 +52,14 @@ case $PHASE in
     echo "decode at $(( $(date +%s) - t0 )) s"
     timeout 120 python3 scripts/verify_cost.py $M/8b-gqa.gguf --tokens 256 > "$OUT/verify-8b.json" 2> "$OUT/verify-8b.err"
     echo "verify cost at $(( $(date +%s) - t0 )) s"
+    ;;
+  demo)  # real weights: acceptance means something; the model is carried to the machine (no hub here)
+    sha256sum /tmp/demo.gguf
+    timeout 300 python3 -m localchat bench --decode --profile h200 --model /tmp/demo.gguf --repeat 5 \
+      --llama-bench $B/llama-bench --json "$OUT/decode-demo.json" 2> "$OUT/decode-demo.err" | tee "$OUT/decode-demo.txt"
+    echo "decode (demo) at $(( $(date +%s) - t0 )) s"
+    timeout 100 python3 scripts/verify_cost.py /tmp/demo.gguf --tokens 256 > "$OUT/verify-demo.json" 2> "$OUT/verify-demo.err"
+    echo "verify cost (demo) at $(( $(date +%s) - t0 )) s"
     ;;
   document)
     for kv in ${KVS:-f16 q8_0}; do

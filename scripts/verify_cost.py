@@ -78,6 +78,19 @@ def main() -> int:
         cost[n] = statistics.median(times)
     out["batch_ms"] = {n: round(t * 1000, 3) for n, t in cost.items()}
     out["batch_over_one"] = {n: round(t / cost[1], 3) for n, t in cost.items()}
+    # a one-token step right after a batch: llama.cpp reuses a step's graph only for the same batch shape
+    after = []
+    for _ in range(10):
+        e._decode(prompt[:2], base, want_logits=True, all_logits=True)
+        e.synchronize()
+        lc.llama_memory_seq_rm(e.mem, SEQ, base + 1, -1)
+        t0 = time.perf_counter()
+        e._decode(prompt[1:2], base + 1, want_logits=True)
+        e.synchronize()
+        after.append(time.perf_counter() - t0)
+        lc.llama_memory_seq_rm(e.mem, SEQ, base, -1)
+    out["one_after_batch_ms"] = round(statistics.median(after) * 1000, 3)
+    out["one_after_batch_over_one"] = round(statistics.median(after) / cost[1], 3)
     e.close()
     json.dump(out, sys.stdout, indent=1)
     sys.stdout.write("\n")

@@ -12,7 +12,8 @@ import llama_cpp as lc
 from localchat.chat import ChatSession, ChatSettings
 from localchat.engine import Generation, SamplingConfig
 from localchat.engine.backend import SEQ
-from localchat.engine.speculative import PROBE_EVERY, Speculation
+from localchat.engine.sampling import drawer, is_greedy
+from localchat.engine.speculative import DRAFT_MAX, PRIOR, PROBE_EVERY, Speculation
 from localchat.runtime import chat_format
 from tests.conftest import make_engine, run_cli
 from tests.ggufedit import first_layers
@@ -40,6 +41,7 @@ def test_greedy_replies_are_token_identical_with_drafts_and_take_fewer_steps(dem
     drafted = _chat(demo_engine, "on")
     stats = [drafted.turn(q) for q in QUESTIONS]
     _kv_consistent(demo_engine)
+    assert drafted.speculation.cost is demo_engine.step_cost  # what the steps cost is the engine's, for every chat
     assert [m.tokens for m in drafted.conv.messages] == [m.tokens for m in plain.conv.messages]
     assert sum(st.extra["accepted_tokens"] for st in stats) > 40  # the reply quotes the note: drafts hold
     # each kept draft token is one single-token step fewer (llama.cpp's own decode counter)
@@ -113,43 +115,105 @@ def test_undo_resume_and_a_stop_mid_draft_keep_the_kv_exact(demo_engine):
     assert e.tokens == stopped.conv.window_tokens()
 
 
+def test_a_reply_cut_while_its_next_token_is_evaluated_keeps_the_kv_exact(demo_engine):
+    """Without drafts too, the next token's evaluation starts before the text is handed out: a reply
+    cut there keeps its last token evaluated, and the next turn goes on as from a clean prefill."""
+    e = demo_engine
+    chat = _chat(e, "off")
+    count = [0]
+
+    def cancel_soon() -> bool:
+        count[0] += 1
+        return count[0] > 5
+
+    # a short chat: llama.cpp's arithmetic is then the same for a batch as for single tokens (README: Speed)
+    assert chat.turn("Say hello to my friend Tom.", cancelled=cancel_soon).cut
+    _kv_consistent(e)
+    assert e.n_kv == len(e.tokens) == len(chat.conv.window_tokens())  # shown, evaluated, kept
+    cut_conv = copy.deepcopy(chat.conv)
+    st = chat.turn("Name three colours.")
+    assert st.cached_tokens == len(cut_conv.window_tokens())  # the cut reply's last token is not evaluated again
+    fresh = _chat(e, "off")
+    fresh.adopt(cut_conv)
+    fresh.turn("Name three colours.")
+    assert fresh.conv.messages[-1].tokens == chat.conv.messages[-1].tokens
+
+
+def _certain(spec: Speculation) -> Speculation:
+    """Every draft token holds and a batch costs as much as one token."""
+    spec.cost.jump, spec.cost.slope = 0.0, 0.01
+    spec._kept, spec._missed = dict.fromkeys(spec._kept, 100.0), dict.fromkeys(spec._missed, 0.01)
+    return spec
+
+
 def test_the_ngram_index_drafts_what_followed_last_time():
-    spec = Speculation("on")
-    spec.slope, spec._kept = 0.01, dict.fromkeys(spec._kept, 100.0)  # drafts that hold, batches that cost nothing
+    spec = _certain(Speculation("on"))
     history = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
     assert spec.draft(history, 8) == [4, 5, 9, 9, 1, 2, 3]
     history += [4, 7, 1, 2, 3]  # the latest continuation of 1 2 3 is now 4 7
     assert spec.draft(history, 2) == [4, 7]
     assert spec.draft([8, 8, 8, 6], 4) == []  # a new list is indexed afresh: no 8 8 6 seen before
+    assert len(spec.draft(list(range(1, 41)) * 2, 64)) == DRAFT_MAX  # a batch past 8 switches CUDA kernels
 
 
-def test_the_draft_is_as_long_as_pays_on_this_machine_and_auto_probes_where_none_pays():
-    history = list(range(1, 21)) + [1, 2, 3, 4]  # a 4-gram match, 16 tokens of continuation
+def test_the_draft_is_as_long_as_pays_on_this_machine_and_the_text_and_auto_probes_where_none_pays():
+    quote = list(range(1, 41))
+    long_match = quote + [99] + quote[:36]  # the last 36 tokens agree with the start: a quote under way
+    short_match = quote + [99] + [50, 51, 52, 53, 54, 55, 36, 37, 38, 39]  # only 36-39 agree: a coincidence
     gpu, cpu = Speculation("auto"), Speculation("auto")
-    gpu.slope, cpu.slope = 0.12, 0.47  # one more token in a batch: an H200 and the 2-core VM, as measured
-    for spec in (gpu, cpu):
-        spec._kept[4], spec._missed[4] = 9.0, 1.0  # 9 in 10 draft tokens hold
-    assert len(cpu.draft(history, 16)) < len(gpu.draft(history, 16)) <= 16
-    assert cpu.best_length(0.9)[1] > 1.2 and gpu.best_length(0.9)[1] > 2.5
+    gpu.cost.jump, gpu.cost.slope = 0.08, 0.08  # the batch costs measured on an H200 (demo model)
+    cpu.cost.jump, cpu.cost.slope = 0.34, 0.47  # and on the 2-core VM
+    assert len(cpu.draft(long_match, 16)) < len(gpu.draft(long_match, 16)) == DRAFT_MAX
+    assert cpu.draft(short_match, 16) == [] and len(gpu.draft(short_match, 16)) > 0
+    assert cpu.best_length([0.95] * DRAFT_MAX)[1] > 1.3 and gpu.best_length([0.95] * DRAFT_MAX)[1] > 3
     hopeless = Speculation("auto")
-    hopeless._kept[4], hopeless._missed[4] = 0.0, 10.0  # nothing has held
-    drafts = [hopeless.draft(history, 16) for _ in range(PROBE_EVERY)]
-    assert drafts[:-1] == [[]] * (PROBE_EVERY - 1) and drafts[-1] == [5]  # then one short probe
+    hopeless._kept = dict.fromkeys(hopeless._kept, 0.0)  # nothing has held
+    drafts = [hopeless.draft(long_match, 16) for _ in range(PROBE_EVERY)]
+    assert drafts[:-1] == [[]] * (PROBE_EVERY - 1) and drafts[-1] == [37]  # then one short probe
     forced = Speculation("on")
-    forced._kept[4], forced._missed[4] = 0.0, 10.0
-    assert forced.draft(history, 16) == [5]
-    assert Speculation("off").draft(history, 16) == []
+    forced._kept = dict.fromkeys(forced._kept, 0.0)
+    assert forced.draft(long_match, 16) == [37]
+    assert Speculation("off").draft(long_match, 16) == []
 
 
 def test_what_a_draft_teaches():
     spec = Speculation("auto")
     spec.record_step(0.010, 1, 0)  # a plain step: one token in 10 ms, its handing out included
-    spec._match = 4
-    spec.record_draft(4, 8)  # 3 of 8 kept, then the next token drawn
-    spec.record_step(0.050, 4, 8)  # that step took 5 plain steps
+    spec._match = 6  # drafted where 6 tokens agreed
+    before = spec.acceptance_of(4)
+    spec.record_draft(4, 8)  # 3 of 8 kept (at 6, 7 and 8 tokens of agreement), the 4th missed (at 9)
     assert spec.drafted == 8 and spec.accepted == 3 and spec.acceptance == 3 / 8
-    assert abs(spec.slope - (0.25 + 0.2 * ((5 - 1) / 8 - 0.25))) < 1e-9  # moved a fifth of the way to 0.5
-    assert spec.acceptance_of(4) == (1 * 0.95 + 3) / (1 * 0.95 + 3 + 1 * 0.95 + 1)
+    assert spec.acceptance_of(4) > before and spec.acceptance_of(8) < PRIOR[8]
+    # class 8: the token at 8 kept, then the one at 9 missed; earlier counts decay at each
+    assert abs(spec._kept[8] - (PRIOR[8] * 2 * 0.95 + 1) * 0.95) < 1e-9
+    assert abs(spec._missed[8] - ((1 - PRIOR[8]) * 2 * 0.95 * 0.95 + 1)) < 1e-9
+    for _ in range(5):  # verifications costing 1.34 steps + 0.47 a draft token, each then 0.18 more to switch back
+        for k in (1, 2, 4, 8):
+            spec.record_step(0.010 * (1 + 0.34 + 0.47 * k), 1 + k, k)
+            spec.record_step(0.010 * 1.18, 1, 0)
+    assert abs(spec.cost.jump - 0.34) < 0.05 and abs(spec.cost.slope - 0.47) < 0.02
+    assert abs(spec.cost.switch - 0.18) < 0.01
+    assert spec.cost.step_s == 0.010  # the steps that rebuilt llama.cpp's graph are not plain steps
+    # starting to verify costs the switch back too (less where the draft is likely to hold and be followed
+    # by another); going on from a verification does not
+    assert spec.cost.steps(4, held=0.5) == 1 + spec.cost.jump + spec.cost.slope * 4 + 0.5 * spec.cost.switch
+    spec.record_step(0.010 * 2, 2, 1)
+    assert spec.cost.batching and spec.cost.steps(4) == 1 + spec.cost.jump + spec.cost.slope * 4
+
+
+def test_a_greedy_chain_draws_the_logits_first_maximum(demo_engine):
+    e = demo_engine
+    assert is_greedy(e.make_sampler(SamplingConfig(temperature=0)))
+    assert not is_greedy(e.make_sampler(SamplingConfig(temperature=0, repeat_penalty=1.1)))
+    assert not is_greedy(e.make_sampler(SamplingConfig(temperature=0.7)))
+    chain = e.make_sampler(SamplingConfig(temperature=0))
+    draw = drawer(chain, e.ctx, e.vocab)
+    e.clear()
+    e.prefill(e.tokenize(NOTE, special=False))
+    e._decode(e.tokenize(" The committee met on Monday", special=False), e.n_kv, want_logits=True, all_logits=True)
+    for i in (0, 1, 2, 3, -1):
+        assert draw(i) == lc.llama_sampler_sample(chain, e.ctx, i)
+    e.clear()
 
 
 def test_sliding_window_models_draft_only_with_the_full_cache(gemma_engine, gemma_path):

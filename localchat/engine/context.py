@@ -14,8 +14,9 @@ from collections.abc import Callable, Generator
 import llama_cpp as lc
 
 from localchat.engine.backend import SEQ, buffers, context_params, init_backend, model_params, start_buffer_log
-from localchat.engine.sampling import make_sampler
+from localchat.engine.sampling import drawer, make_sampler
 from localchat.engine.speculative import Speculation, verify
+from localchat.engine.stepcost import StepCost
 from localchat.engine.types import Cancelled, EngineConfig, Generation, PrefillResult, SamplingConfig
 from localchat.engine.vocab import VocabText
 from localchat.errors import ModelError
@@ -50,6 +51,7 @@ class Engine(VocabText):
         self._batch_tokens = (lc.llama_token * config.n_batch).from_address(
             ctypes.addressof(self._batch.token.contents))
         self._batch_pos = (lc.llama_pos * config.n_batch).from_address(ctypes.addressof(self._batch.pos.contents))
+        self.step_cost = StepCost(gpu=config.n_gpu_layers != 0 and bool(lc.llama_supports_gpu_offload()))
         self.tokens: list[int] = []  # the token-canonical history this context holds
         self.n_kv = 0  # how many of self.tokens are evaluated into the KV (the rest are pending)
         self._piece_buf = ctypes.create_string_buffer(256)
@@ -181,32 +183,41 @@ class Engine(VocabText):
     def generate(self, sampler, max_tokens: int, gen: Generation, cancelled: Callable[[], bool] | None = None,
                  inject: Callable[[], list[int]] | None = None,
                  spec: Speculation | None = None) -> Generator[str, None, None]:
-        """Stream reply text after a prefill. Sampled tokens join self.tokens as sampled; the last
-        one stays pending (not yet in the KV) until the next prefill evaluates it. `inject`, asked
-        after each token: tokens the reply must go on with (a thought budget's end marker). `spec`:
-        draft from the context's history and verify in batches (not with `inject`)."""
+        """Stream reply text after a prefill. Sampled tokens join self.tokens as sampled; the last one
+        is pending (not yet in the KV) until the next prefill evaluates it, or already evaluated where
+        the reply stopped after its evaluation began. `inject`, asked after each token is handed out:
+        tokens the reply must go on with (a thought budget's end marker). `spec`: draft from the
+        context's history and verify in batches (not with `inject`)."""
+        draw = drawer(sampler, self.ctx, self.vocab)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         ahead: list[int] = []  # drawn by a verification batch: all in the KV but the last
         step: tuple[float, int, int] | None = None  # the step in flight: its start, tokens it hands out, drafted
+        started = False  # the next evaluation was started before the last token was handed out
         try:
             for i in range(max_tokens):
-                tok = ahead.pop(0) if ahead else lc.llama_sampler_sample(sampler, self.ctx, -1)
+                tok = ahead.pop(0) if ahead else draw(-1)
+                started = False
                 # a step runs from its token being known to the next one's: a GPU decodes after llama_decode
                 # returns, so the wait for a one-token step's own decode falls in that step, not the next
                 top = time.perf_counter()
                 if spec and step and not ahead:  # a step ends when its tokens are handed out, UI included
-                    spec.record_step(top - step[0], step[1], step[2])
+                    if step[0] > gen.first_token_at:  # not the first: after a prefill llama.cpp builds its graph
+                        spec.record_step(top - step[0], step[1], step[2])
                     step = None
                 evaluated = bool(ahead)  # a kept draft token; the last one drawn is pending like any
                 gen.last_token_at = top
-                if i == 0:
-                    gen.first_token_at = gen.last_token_at
+                gen.first_token_at = top if i == 0 else gen.first_token_at
                 self.tokens.append(tok)
                 gen.tokens.append(tok)
                 if self.is_eog(tok):
                     gen.stop_reason = "eog"
                     return
                 text = decoder.decode(self.piece(tok))
+                room = self.n_ctx - self.n_kv - 2
+                if not (evaluated or inject or i == max_tokens - 1 or room < 0):
+                    # the next evaluation starts before the text is handed out: a GPU computes while the UI draws
+                    ahead, step = self._step(tok, draw, spec, min(room, max_tokens - 2 - i), top)
+                    started = True
                 if text:
                     yield text
                 if i == max_tokens - 1:
@@ -215,18 +226,12 @@ class Engine(VocabText):
                 if cancelled and cancelled():
                     gen.stop_reason = "cancelled"
                     return
-                if evaluated:
+                if evaluated or started:
                     continue
-                forced = inject() if inject else []
-                room = self.n_ctx - self.n_kv - 2 - len(forced)
-                if room < 0:
+                forced = inject() if inject else []  # after the text is handed out: it follows what was shown
+                if room - len(forced) < 0:
                     gen.stop_reason = "context_full"
                     return
-                draft = spec.draft(self.tokens, min(room, max_tokens - 2 - i)) if spec and not inject else []
-                if draft:
-                    ahead = verify(self, sampler, tok, draft, spec)  # type: ignore[arg-type]
-                    step = (top, len(ahead), len(draft))
-                    continue
                 self._decode([tok, *forced], self.n_kv, want_logits=True)
                 self.n_kv += 1 + len(forced)
                 step = (top, 1, 0)
@@ -238,9 +243,23 @@ class Engine(VocabText):
                         yield text
             gen.stop_reason = gen.stop_reason or "max_tokens"
         finally:
+            if started:
+                self.synchronize()  # the evaluation begun for the last token ends before anyone touches the KV
             if self.n_kv > len(self.tokens):  # stopped with kept draft tokens not handed out: not in the reply
                 lc.llama_memory_seq_rm(self.mem, SEQ, len(self.tokens), -1)
                 self.n_kv = len(self.tokens)
+
+    def _step(self, tok: int, draw: Callable[[int], int], spec: Speculation | None, room: int,
+              top: float) -> tuple[list[int], tuple[float, int, int]]:
+        """Evaluate `tok`, with a draft where one pays (verified at once): the tokens a verification drew
+        ahead, and the step in flight (its start, the tokens it hands out, the draft's length)."""
+        draft = spec.draft(self.tokens, room) if spec else []
+        if spec and draft:
+            ahead = verify(self, draw, tok, draft, spec)
+            return ahead, (top, len(ahead), len(draft))
+        self._decode([tok], self.n_kv, want_logits=True)
+        self.n_kv += 1
+        return [], (top, 1, 0)
 
     # ------------------------------------------------------------------ counters and state
     def perf(self) -> dict[str, float]:

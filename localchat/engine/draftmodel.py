@@ -15,7 +15,8 @@ import time
 import llama_cpp as lc
 
 from localchat.engine.context import Engine
-from localchat.engine.speculative import moving_average
+from localchat.engine.sampling import drawer
+from localchat.engine.stepcost import moving_average
 from localchat.engine.types import SamplingConfig
 from localchat.errors import ModelError
 
@@ -41,6 +42,7 @@ class DraftModel:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._greedy = engine.make_sampler(SamplingConfig(temperature=0))
+        self._draw = drawer(self._greedy, engine.ctx, engine.vocab)
         self.evaluated = 0  # tokens of the context its KV had to evaluate to follow it (not its drafts)
         self.token_s = 0.0  # one draft token, seconds (average), for the draft length that pays
 
@@ -51,7 +53,7 @@ class DraftModel:
         self.evaluated += e.prefill(tokens).recomputed
         out: list[int] = []
         for i in range(k):
-            tok = lc.llama_sampler_sample(self._greedy, e.ctx, -1)
+            tok = self._draw(-1)
             out.append(tok)
             if i == k - 1 or e.is_eog(tok):
                 break

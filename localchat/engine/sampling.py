@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import llama_cpp as lc
+import numpy as np
 
 from localchat.engine.types import SamplingConfig
 
@@ -36,6 +38,23 @@ def make_sampler(s: SamplingConfig, vocab: object, n_ctx: int) -> object:
     lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(s.temperature))
     lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(s.seed))
     return chain
+
+
+def is_greedy(chain: object) -> bool:
+    """Whether the chain is the greedy draw alone (temperature 0, no penalties): its token is then the
+    logits' first maximum, which the engine reads without the chain's candidate array."""
+    return (lc.llama_sampler_chain_n(chain) == 1
+            and lc.llama_sampler_name(lc.llama_sampler_chain_get(chain, 0)) == b"greedy")
+
+
+def drawer(chain: object, ctx: object, vocab: object) -> Callable[[int], int]:
+    """The chain's draw at output i (-1: the last). A greedy chain's token is the logits' first maximum,
+    read here directly: the chain would build a candidate array of the whole vocabulary first (73 us
+    a token for SmolLM2's 49k tokens, 6% of its step on an H200)."""
+    if not is_greedy(chain):
+        return lambda i: lc.llama_sampler_sample(chain, ctx, i)
+    n_vocab = lc.llama_vocab_n_tokens(vocab)
+    return lambda i: int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
 
 
 def prime(chain: object, s: SamplingConfig, tokens: list[int]) -> None:

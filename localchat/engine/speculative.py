@@ -13,17 +13,25 @@ logits are). Positions past the first disagreement are removed from the KV.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import llama_cpp as lc
 
 from localchat.engine.backend import SEQ
+from localchat.engine.stepcost import StepCost
 
 NGRAM_SIZES = (4, 3, 2)  # the longest match wins; shorter ones draft more often, less well
-DRAFT_MAX = 16
-MODEL = 0  # the draft model's entry in the acceptance counts (the n-gram sizes are the others)
+DRAFT_MAX = 8  # CUDA switches kernels past 8 tokens: a batch of 9 cost 3.0 one-token steps on an H200, 8 cost 1.6
+MATCH_CAP = 32  # how far back a match is followed
+CLASSES = (2, 4, 8, 16, 32)  # where match-length classes start: the longer the text has agreed, the surer it goes on
+PRIOR = {2: 0.5, 4: 0.6, 8: 0.7, 16: 0.8, 32: 0.9}  # a draft token's chance in each class before any is measured
+MODEL = 0  # the draft model's entry in the acceptance counts (a match length of none)
 PROBE_EVERY = 48  # drafts skipped (they would not pay) before one is tried anyway: the text may have changed
-DECAY = 0.95  # the weight of earlier drafts in the acceptance estimates
+DECAY = 0.95  # the weight of earlier draft tokens in the acceptance estimates
+
+
+_CLASS_OF = tuple(max(c for c in CLASSES if c <= max(agree, CLASSES[0])) for agree in range(MATCH_CAP + 1))
 
 
 class Drafter(Protocol):
@@ -36,21 +44,25 @@ class Drafter(Protocol):
 
 class Speculation:
     """Per chat: the n-gram index over the context, and the draft length that pays on this machine
-    and text (`mode`: auto, on, off). Measured as the reply goes: what one more token in a batch
-    costs in one-token steps (`slope`), and how often a draft token of each n-gram size holds."""
+    and text (`mode`: auto, on, off). Measured as the reply goes: what a batch costs in one-token
+    steps (`cost`), and how often a draft token holds after the context has agreed with the place it
+    is drafted from for so many tokens (the match-length class: a quote that has held for 20 tokens
+    goes on more surely than a 2-token coincidence)."""
 
-    def __init__(self, mode: str = "auto", model: Drafter | None = None):
+    def __init__(self, mode: str = "auto", model: Drafter | None = None, cost: StepCost | None = None):
         self.mode, self.model = mode, model
+        self.cost = cost or StepCost()  # the engine's: measured once for every chat on it
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> where its continuation starts (last seen)
         self._indexed = 0
         self._source: list[int] | None = None
-        self.step_s = 0.0  # a one-token step, seconds (average)
-        self.slope = 0.25  # a batch of 1 + k tokens costs 1 + slope * k steps (learned)
-        self._kept = dict.fromkeys((*NGRAM_SIZES, MODEL), 1.0)  # decayed counts: draft tokens kept, drafts cut short
-        self._missed = dict.fromkeys((*NGRAM_SIZES, MODEL), 1.0)
+        # decayed counts per match-length class (MODEL: the draft model's): draft tokens kept, and missed
+        self._kept = {c: PRIOR[c] * 2 for c in CLASSES} | {MODEL: 1.0}
+        self._missed = {c: (1 - PRIOR[c]) * 2 for c in CLASSES} | {MODEL: 1.0}
         self._model_s = 0.0  # the draft model's time in the step in flight
+        self._plans: dict[tuple[int, bool], tuple[int, float]] = {}  # (agreement, verifying) -> length, gain
+        self._plans_at = -1  # the cost measurements they were computed with
         self._skipped = 0
-        self._match = 0  # the n-gram size of the draft in flight
+        self._match = 0  # the match length of the draft in flight (MODEL: the draft model's)
         self.drafted = self.accepted = 0  # this chat's totals
         self.model_drafted = 0  # of the drafted tokens, those the draft model wrote
 
@@ -66,25 +78,35 @@ class Speculation:
                     self._index[tuple(tokens[end - n:end])] = end
         self._indexed = max(self._indexed, len(tokens))
 
+    def _lookup(self, tokens: list[int]) -> tuple[int, int] | None:
+        """Where the latest tokens were last seen: (the start of what followed, how many tokens agree)."""
+        for n in NGRAM_SIZES:
+            start = self._index.get(tuple(tokens[-n:]))
+            if start is not None and start < len(tokens):
+                agree = n
+                while agree < MATCH_CAP and agree < start and tokens[start - 1 - agree] == tokens[-1 - agree]:
+                    agree += 1
+                return start, agree
+        return None
+
     def draft(self, tokens: list[int], limit: int) -> list[int]:
-        """What followed the last earlier occurrence of the context's latest n tokens, or else what the
+        """What followed the last earlier occurrence of the context's latest tokens, or else what the
         draft model writes, as long as pays (at most `limit`)."""
         self._model_s = 0.0
         if limit < 1 or self.mode == "off":
             return []
         self._sync(tokens)
-        match = next(((n, at) for n in NGRAM_SIZES if (at := self._index.get(tuple(tokens[-n:]))) is not None
-                      and at < len(tokens)), None)
+        match = self._lookup(tokens)
         if match is not None:
-            n, start = match
-            length, gain = self.best_length(self.acceptance_of(n))
+            start, agree = match
+            length, gain = self._plan(agree)
             if gain >= 1 or self.mode == "on" or self.model is None:
                 length = self._pay_or_probe(length, gain)
-                self._match = n
+                self._match = agree
                 return tokens[start:start + min(length, limit)]
         if self.model is None:
             return []
-        length, gain = self.best_length(self.acceptance_of(MODEL), self._model_cost())
+        length, gain = self.best_length([self.acceptance_of(MODEL)] * DRAFT_MAX, self._model_cost())
         length = self._pay_or_probe(length, gain)
         if not length:
             return []
@@ -110,58 +132,74 @@ class Speculation:
     def _model_cost(self) -> float:
         """One draft-model token in one-token steps of the main model (0.1 until both are measured)."""
         token_s = self.model.token_s if self.model else 0.0
-        return token_s / self.step_s if token_s and self.step_s else 0.1
+        return token_s / self.cost.step_s if token_s and self.cost.step_s else 0.1
 
     # ------------------------------------------------------------ what pays
-    def acceptance_of(self, n: int) -> float:
-        """How often a draft token from an n-gram match holds, given the one before it held."""
-        return self._kept[n] / (self._kept[n] + self._missed[n])
+    @staticmethod
+    def class_of(agree: int) -> int:
+        """The match-length class of a draft token drafted where `agree` tokens agree."""
+        return _CLASS_OF[min(agree, MATCH_CAP)]
 
-    def best_length(self, acceptance: float, cost: float = 0.0) -> tuple[int, float]:
+    def _plan(self, agree: int) -> tuple[int, float]:
+        """The draft length that pays where `agree` tokens agree, and its gain: computed again only when
+        a measurement changed it (it is asked at every token that has a match, in a GPU's critical path)."""
+        if self._plans_at != self.cost.version:
+            self._plans, self._plans_at = {}, self.cost.version
+        key = (agree, self.cost.batching)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self.best_length(
+                [self.acceptance_of(self.class_of(agree + j)) for j in range(DRAFT_MAX)])
+        return plan
+
+    def acceptance_of(self, key: int) -> float:
+        """How often a draft token of a match-length class (or the draft model's) holds, given the one
+        before it held."""
+        return self._kept[key] / (self._kept[key] + self._missed[key])
+
+    def best_length(self, acceptances: list[float], per_token: float = 0.0) -> tuple[int, float]:
         """The draft length with the most tokens per unit of time, and its speed over one-token steps
-        (`cost`: writing one draft token, in one-token steps)."""
-        best = (1, 0.0)
-        for k in range(1, DRAFT_MAX + 1):
-            produced = k + 1 if acceptance >= 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
-            gain = produced / (1 + (self.slope + cost) * k)
-            best = max(best, (k, gain), key=lambda x: x[1])
+        (`acceptances`: each draft token's chance given the one before held; `per_token`: writing one
+        draft token, in one-token steps)."""
+        best, produced, held = (1, 0.0), 1.0, 1.0
+        for k, acceptance in enumerate(acceptances[:DRAFT_MAX], 1):
+            held *= acceptance
+            produced += held
+            gain = produced / self.cost.steps(k, per_token, held)
+            if gain > best[1]:
+                best = (k, gain)
         return best
 
     def record_step(self, seconds: float, produced: int, drafted: int) -> None:
-        """A step's wall time, from its first token to the next step (the handing out of its tokens
-        included): one token plainly, or a verified draft and the tokens it kept."""
-        if not drafted:
-            self.step_s = moving_average(self.step_s, seconds)
-        elif self.step_s:  # the verification's cost beyond one step, per draft token (the draft model's time apart)
-            self.slope = moving_average(self.slope, max(0.0, ((seconds - self._model_s) / self.step_s - 1) / drafted))
+        """A step's wall time, from its first token to the next step (`StepCost.record`)."""
+        self.cost.record(seconds, drafted, self._model_s)
 
     def record_draft(self, produced: int, drafted: int) -> None:
-        """How a draft fared: `produced`, the tokens its verification handed out (kept + the next one)."""
-        kept, n = produced - 1, self._match
-        if n in self._kept:
-            self._kept[n] = self._kept[n] * DECAY + kept
-            self._missed[n] = self._missed[n] * DECAY + (kept < drafted)
+        """How a draft fared: `produced`, the tokens its verification handed out (kept + the next one).
+        Each draft token tried counts in its class, kept or missed; those after a miss were not tried."""
+        kept = produced - 1
+        for j in range(min(kept + 1, drafted)):
+            key = MODEL if self._match == MODEL else self.class_of(self._match + j)
+            self._kept[key] = self._kept[key] * DECAY + (j < kept)
+            self._missed[key] = self._missed[key] * DECAY + (j == kept)
         self.drafted += drafted
         self.accepted += kept
+        self._plans = {}
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-def moving_average(old: float, new: float, weight: float = 0.2) -> float:
-    """`new` folded into the running `old` (the first measurement is taken as it is)."""
-    return new if not old else old + weight * (new - old)
-
-
-def verify(engine, sampler: object, token: int, draft: list[int], spec: Speculation) -> list[int]:
-    """Evaluate `token` (pending) and `draft` in one batch and draw at each position: the draft tokens
-    the draws agreed with, then the first draw that did not (or the one after the whole draft), which
-    is left pending. The KV keeps `token` and the agreed draft tokens."""
+def verify(engine, draw: Callable[[int], int], token: int, draft: list[int], spec: Speculation) -> list[int]:
+    """Evaluate `token` (pending) and `draft` in one batch and draw at each position (`draw(i)`: the
+    sampler's token at output i): the draft tokens the draws agreed with, then the first draw that did
+    not (or the one after the whole draft), which is left pending. The KV keeps `token` and the agreed
+    draft tokens."""
     engine._decode([token, *draft], engine.n_kv, want_logits=True, all_logits=True)
     drawn: list[int] = []
     for i in range(len(draft) + 1):
-        tok = lc.llama_sampler_sample(sampler, engine.ctx, i)
+        tok = draw(i)
         drawn.append(tok)
         if i == len(draft) or tok != draft[i] or engine.is_eog(tok):
             break

@@ -1,0 +1,71 @@
+"""What a decode step costs on this machine, measured as replies go: a one-token step in seconds; a
+step that verifies k draft tokens in one-token steps, fitted as 1 + jump + slope * k; and the switch
+back: llama.cpp reuses a step's graph only for a batch of the same shape, so the first one-token step
+after verifications builds its graph again (0.18 of a step on the 2-core VM, 0.3 on an H200 with an
+8B model, 1.8 with the 135M demo model, whose steps are short). One per engine: it is the machine's
+and the model's, not the text's, so every chat on the engine starts from it."""
+
+from __future__ import annotations
+
+DECAY = 0.85  # the weight of earlier verifications in the fit
+PRIOR_WEIGHT = 0.1
+# assumed until measured: (draft tokens, cost beyond one step) at two lengths, and the switch back;
+# the 2-core VM's 1.8 / 5.1 steps for 1 / 8 draft tokens, the H200's 1.13 / 1.6
+PRIORS = {"cpu": (((1, 0.8), (8, 4.1)), 0.2), "gpu": (((1, 0.13), (8, 0.6)), 1.0)}
+
+
+def moving_average(old: float, new: float, weight: float = 0.2) -> float:
+    """`new` folded into the running `old` (the first measurement is taken as it is)."""
+    return new if not old else old + weight * (new - old)
+
+
+class StepCost:
+    def __init__(self, gpu: bool = False) -> None:
+        self.step_s = 0.0  # a one-token step, seconds (average)
+        self._prior, self.switch = PRIORS["gpu" if gpu else "cpu"]  # switch: in one-token steps
+        self._sums = [0.0] * 5  # decayed sums over verifications (k, y): weight, k, k*k, y, k*y
+        self.batching = False  # the last step was a verification: the switch back is still to come
+        self.jump = self.slope = 0.0
+        self.version = 0  # counts the changes, for those who keep what follows from them
+        self._solve()
+
+    def record(self, seconds: float, drafted: int, drafting_s: float = 0.0) -> None:
+        """A step's wall time, from its first token to the next step (the handing out of its tokens
+        included): one token plainly, or a verification of `drafted` tokens (`drafting_s`: a draft
+        model's time, not the verification's). The one-token step after verifications measures the
+        switch back, not a plain step."""
+        if drafted:
+            if self.step_s:
+                y = max(0.0, (seconds - drafting_s) / self.step_s - 1)
+                self._sums = [s * DECAY + v for s, v in
+                              zip(self._sums, (1.0, drafted, drafted * drafted, y, drafted * y), strict=True)]
+                self._solve()
+            self.batching = True
+        elif self.batching:
+            self.batching = False
+            if self.step_s:
+                self.switch = moving_average(self.switch, max(0.0, seconds / self.step_s - 1), 0.3)
+                self.version += 1
+        else:
+            self.step_s = moving_average(self.step_s, seconds)
+
+    def _solve(self) -> None:
+        w, sk, skk, sy, sky = self._sums
+        for k, y in self._prior:
+            w, sk, skk, sy, sky = (w + PRIOR_WEIGHT, sk + PRIOR_WEIGHT * k, skk + PRIOR_WEIGHT * k * k,
+                                   sy + PRIOR_WEIGHT * y, sky + PRIOR_WEIGHT * k * y)
+        slope = (w * sky - sk * sy) / (w * skk - sk * sk)  # the prior's two lengths keep this defined
+        jump = (sy - slope * sk) / w
+        if jump < 0:  # a batch never costs less than its first token: fit through the origin
+            jump, slope = 0.0, sky / skk
+        self.jump, self.slope = jump, max(slope, 0.0)
+        self.version += 1
+
+    def steps(self, k: int, per_token: float = 0.0, held: float = 0.0) -> float:
+        """A step that verifies k draft tokens, in one-token steps (`per_token`: writing each draft token),
+        with the switch back where it starts verifying, weighed by the chance that the draft fails
+        (`held`: that it holds whole): a draft that holds is usually followed by another, and the switch
+        comes once at the end of them. Once verifying, the switch is paid whatever follows."""
+        if not k:
+            return 1.0
+        return 1 + self.jump + (self.slope + per_token) * k + (0.0 if self.batching else self.switch * (1 - held))

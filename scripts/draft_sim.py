@@ -1,0 +1,119 @@
+"""How the draft policy (`Speculation` with a `StepCost`) would do on machines it cannot be run on
+here: the demo model's greedy replies to a few workloads (made once, on this machine, drafts off),
+replayed against measured batch costs (`scripts/verify_cost.py`'s batch_over_one and
+one_after_batch_over_one). A replay drafts exactly as the engine would and counts a draft's tokens as
+kept where the plain reply has them, so it predicts speed over plain decode from costs alone (no
+Python or UI time, no noise); it is how the policy was chosen, and what stands for a GPU run of it.
+
+usage: python scripts/draft_sim.py MODEL.gguf [--replies FILE.json] [--rounds 2]   (a table; JSON with --json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from localchat import runtime
+from localchat.benchdecode import PASSAGE, WORKLOADS
+from localchat.chat import ChatSession
+from localchat.engine import SamplingConfig
+from localchat.engine.speculative import Speculation
+from localchat.engine.stepcost import StepCost
+
+MORE = {
+    "quote a part": "Here is our library's notice:\n\n" + PASSAGE + "\nWhat are the rules for laptops and food? "
+                    "Quote the notice.",
+    "explain": "Explain how a bicycle works, step by step.",
+    "poem": "Write a poem about the sea at night.",
+    "list": "List ten fruits, one per line, each with its colour.",
+}
+# a batch of n tokens in one-token steps, the one-token step after a batch, whether a GPU (measured:
+# docs/bench-verify-cpu.json, docs/gpu/verify-demo-h200-switch.json, docs/gpu/verify-8b-switch.json)
+MACHINES = {
+    "2-core VM, demo": ({1: 1, 2: 1.823, 3: 2.433, 4: 3.074, 5: 3.588, 6: 3.901, 7: 4.41, 8: 4.536}, 0.992, False),
+    "H200, demo": ({1: 1, 2: 1.151, 3: 1.372, 4: 1.413, 5: 1.466, 6: 1.512, 7: 1.553, 8: 1.611, 9: 2.971}, 2.794, True),
+    "H200, 8b-gqa": ({1: 1, 2: 1.133, 3: 1.324, 4: 1.544, 5: 1.768, 6: 1.979, 7: 2.101, 8: 2.291}, 1.304, True),
+}
+
+
+def _cost(table: dict[int, float], n: int) -> float:
+    """Linear between the measured sizes."""
+    lo = max(k for k in table if k <= n)
+    hi = min((k for k in table if k >= n), default=lo)
+    return table[lo] if hi == lo else table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
+
+
+def make_replies(model: str) -> dict[str, dict[str, list[int]]]:
+    profile = runtime.load_profile("cpu", {"model": model, "n_threads": 2})
+    rt = runtime.open_runtime(profile, lambda _: None)
+    out = {}
+    try:
+        for name, text in {**WORKLOADS, **MORE}.items():
+            rt.engine.clear()
+            settings = dataclasses.replace(runtime.chat_settings(rt.profile), speculate="off", max_tokens=256,
+                                           sampling=SamplingConfig(temperature=0))
+            chat = ChatSession(rt.engine, rt.chat.fmt, settings)
+            chat.turn(text)
+            out[name] = {"context": list(rt.engine.tokens), "reply": chat.conv.messages[-1].tokens}
+    finally:
+        rt.close()
+    return out
+
+
+def replay(context: list[int], reply: list[int], mode: str, machine: str, cost: StepCost) -> float:
+    """Plain decode's steps over the policy's for this reply."""
+    table, after, _ = MACHINES[machine]
+    prompt = len(context) - len(reply)
+    spec = Speculation(mode, cost=cost)
+    done, steps, verifying = 1, 0.0, False
+    while done < len(reply):
+        draft = spec.draft(context[:prompt + done], 256)
+        kept = 0
+        while kept < len(draft) and done + kept < len(reply) and draft[kept] == reply[done + kept]:
+            kept += 1
+        step = _cost(table, 1 + len(draft)) if draft else (after if verifying else 1.0)
+        if draft:
+            spec.record_draft(kept + 1, len(draft))
+        spec.record_step(step, kept + 1, len(draft))
+        steps, done, verifying = steps + step, done + kept + 1, bool(draft)
+    return (len(reply) - 1) / steps
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("--replies", help="the replies made by an earlier run (written there if absent)")
+    p.add_argument("--rounds", type=int, default=2, help="replays per machine; the last is reported (costs learned)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    cache = Path(args.replies) if args.replies else None
+    replies = json.loads(cache.read_text()) if cache and cache.exists() else make_replies(args.model)
+    if cache and not cache.exists():
+        cache.write_text(json.dumps(replies))
+    result: dict[str, dict[str, dict[str, float]]] = {}
+    for machine, (_, _, gpu) in MACHINES.items():
+        for mode in ("auto", "on"):
+            cost = StepCost(gpu=gpu)
+            cost.step_s = 1.0  # the replay's unit: one-token steps
+            for _ in range(args.rounds):  # one engine: later chats start from what earlier ones measured
+                speeds = {name: round(replay(r["context"], r["reply"], mode, machine, cost), 3)
+                          for name, r in replies.items()}
+            result.setdefault(machine, {})[mode] = speeds
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        return 0
+    names = list(replies)
+    print("speed over plain decode (replayed);", ", ".join(names))
+    for machine, modes in result.items():
+        for mode, speeds in modes.items():
+            print(f"  {machine:14} {mode:5}", " ".join(f"{speeds[n]:5.2f}" for n in names),
+                  f"| geometric mean {statistics.geometric_mean(speeds.values()):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
