@@ -37,7 +37,7 @@ WORKLOADS = {
 MODES = ("off", "auto", "on")
 
 
-def _reply(rt: runtime.Runtime, mode: str, text: str, reply_tokens: int) -> tuple[list[int], float, int, int, int]:
+def fresh_reply(rt: runtime.Runtime, mode: str, text: str, reply_tokens: int) -> tuple[list[int], float, int, int, int]:
     """One greedy reply in a fresh chat: its tokens, wall tokens a second, drafted, accepted, the prompt's size.
     `mode` "draft": auto, with the profile's draft model where the history offers no draft."""
     rt.engine.clear()
@@ -67,7 +67,7 @@ def run_decode(profile: Profile, repeat: int, reply_tokens: int, report: Callabl
             for r in range(repeat):
                 for mode in modes:
                     report(f"bench --decode: {name}, speculation {mode}, run {r + 1}/{repeat}")
-                    tokens, tps, drafted, accepted, depth = _reply(rt, mode, text, reply_tokens)
+                    tokens, tps, drafted, accepted, depth = fresh_reply(rt, mode, text, reply_tokens)
                     replies.setdefault(mode, tokens)
                     rates[mode].append(tps)
                     drafts[mode][0] += drafted

@@ -11,16 +11,13 @@ usage: python scripts/draft_sim.py MODEL.gguf [--replies FILE.json] [--rounds 2]
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
 from pathlib import Path
 
 from localchat import runtime
-from localchat.benchdecode import PASSAGE, WORKLOADS
-from localchat.chat import ChatSession
-from localchat.engine import SamplingConfig
+from localchat.benchdecode import PASSAGE, WORKLOADS, fresh_reply
 from localchat.engine.speculative import Speculation
 from localchat.engine.stepcost import StepCost
 
@@ -48,17 +45,12 @@ def _cost(table: dict[int, float], n: int) -> float:
 
 
 def make_replies(model: str) -> dict[str, dict[str, list[int]]]:
-    profile = runtime.load_profile("cpu", {"model": model, "n_threads": 2})
-    rt = runtime.open_runtime(profile, lambda _: None)
+    rt = runtime.open_runtime(runtime.load_profile("cpu", {"model": model, "n_threads": 2}), lambda _: None)
     out = {}
     try:
         for name, text in {**WORKLOADS, **MORE}.items():
-            rt.engine.clear()
-            settings = dataclasses.replace(runtime.chat_settings(rt.profile), speculate="off", max_tokens=256,
-                                           sampling=SamplingConfig(temperature=0))
-            chat = ChatSession(rt.engine, rt.chat.fmt, settings)
-            chat.turn(text)
-            out[name] = {"context": list(rt.engine.tokens), "reply": chat.conv.messages[-1].tokens}
+            reply = fresh_reply(rt, "off", text, 256)[0]
+            out[name] = {"context": list(rt.engine.tokens), "reply": reply}
     finally:
         rt.close()
     return out

@@ -1,6 +1,6 @@
 """What verifying a draft costs on this machine: a batch of 1 + k tokens against one-token steps, and
 the decode speed when every draft is right (the model's own greedy reply from a first run, drafted
-8 tokens at a time). For models whose acceptance cannot be measured (random weights), this is the
+DRAFT_MAX tokens at a time). For models whose acceptance cannot be measured (random weights), this is the
 ceiling drafting reaches here; the acceptance of real text is measured on the demo model.
 
 usage: python scripts/verify_cost.py MODEL.gguf [--gpu-layers -1] [--tokens 128] [--depth 300]   (JSON)
@@ -19,6 +19,7 @@ import llama_cpp as lc
 from localchat.benchload import greedy_reply
 from localchat.engine import Engine, EngineConfig, Speculation
 from localchat.engine.backend import SEQ
+from localchat.engine.speculative import DRAFT_MAX
 
 
 class Oracle(Speculation):
@@ -30,7 +31,7 @@ class Oracle(Speculation):
 
     def draft(self, tokens: list[int], limit: int) -> list[int]:
         done = len(tokens) - self.prompt_len
-        return self.reply[done:done + min(limit, 8)]
+        return self.reply[done:done + min(limit, DRAFT_MAX)]
 
 
 def _reply(e: Engine, prompt: list[int], n: int, spec: Speculation | None) -> tuple[list[int], float]:
