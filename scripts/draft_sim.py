@@ -31,7 +31,8 @@ MORE = {
 # a batch of n tokens in one-token steps, the one-token step after a batch, whether a GPU (measured:
 # docs/bench-verify-cpu.json, docs/gpu/verify-demo-h200-switch.json, docs/gpu/verify-8b-switch.json)
 MACHINES = {
-    "2-core VM, demo": ({1: 1, 2: 1.823, 3: 2.433, 4: 3.074, 5: 3.588, 6: 3.901, 7: 4.41, 8: 4.536}, 0.992, False),
+    "2-core VM, demo": ({1: 1, 2: 1.823, 3: 2.433, 4: 3.074, 5: 3.588, 6: 3.901, 7: 4.41, 8: 4.536, 9: 5.165}, 0.992,
+                        False),
     "H200, demo": ({1: 1, 2: 1.151, 3: 1.372, 4: 1.413, 5: 1.466, 6: 1.512, 7: 1.553, 8: 1.611, 9: 2.971}, 2.794, True),
     "H200, 8b-gqa": ({1: 1, 2: 1.133, 3: 1.324, 4: 1.544, 5: 1.768, 6: 1.979, 7: 2.101, 8: 2.291}, 1.304, True),
 }
@@ -62,8 +63,9 @@ def replay(context: list[int], reply: list[int], mode: str, machine: str, cost: 
     prompt = len(context) - len(reply)
     spec = Speculation(mode, cost=cost)
     done, steps, verifying = 1, 0.0, False
+    tokens = context[:prompt + done]  # one list that grows, as the engine's does within a reply
     while done < len(reply):
-        draft = spec.draft(context[:prompt + done], 256)
+        draft = spec.draft(tokens, 256)
         kept = 0
         while kept < len(draft) and done + kept < len(reply) and draft[kept] == reply[done + kept]:
             kept += 1
@@ -72,6 +74,7 @@ def replay(context: list[int], reply: list[int], mode: str, machine: str, cost: 
             spec.record_draft(kept + 1, len(draft))
         spec.record_step(step, kept + 1, len(draft))
         steps, done, verifying = steps + step, done + kept + 1, bool(draft)
+        tokens.extend(context[len(tokens):prompt + done])
     return (len(reply) - 1) / steps
 
 

@@ -13,7 +13,7 @@ from localchat.chat import ChatSession, ChatSettings
 from localchat.engine import Generation, SamplingConfig
 from localchat.engine.backend import SEQ
 from localchat.engine.sampling import drawer, is_greedy
-from localchat.engine.speculative import DRAFT_MAX, PRIOR, PROBE_EVERY, Speculation
+from localchat.engine.speculative import DRAFT_MAX, PRIOR, Speculation
 from localchat.runtime import chat_format
 from tests.conftest import make_engine, run_cli
 from tests.ggufedit import first_layers
@@ -156,7 +156,7 @@ def test_the_ngram_index_drafts_what_followed_last_time():
     assert len(spec.draft(list(range(1, 41)) * 2, 64)) == DRAFT_MAX  # a batch past 8 switches CUDA kernels
 
 
-def test_the_draft_is_as_long_as_pays_on_this_machine_and_the_text_and_auto_probes_where_none_pays():
+def test_the_draft_is_as_long_as_pays_on_this_machine_and_the_text():
     quote = list(range(1, 41))
     long_match = quote + [99] + quote[:36]  # the last 36 tokens agree with the start: a quote under way
     short_match = quote + [99] + [50, 51, 52, 53, 54, 55, 36, 37, 38, 39]  # only 36-39 agree: a coincidence
@@ -168,12 +168,51 @@ def test_the_draft_is_as_long_as_pays_on_this_machine_and_the_text_and_auto_prob
     assert cpu.best_length([0.95] * DRAFT_MAX)[1] > 1.3 and gpu.best_length([0.95] * DRAFT_MAX)[1] > 3
     hopeless = Speculation("auto")
     hopeless._kept = dict.fromkeys(hopeless._kept, 0.0)  # nothing has held
-    drafts = [hopeless.draft(long_match, 16) for _ in range(PROBE_EVERY)]
-    assert drafts[:-1] == [[]] * (PROBE_EVERY - 1) and drafts[-1] == [37]  # then one short probe
+    assert hopeless.draft(long_match, 16) == []
     forced = Speculation("on")
     forced._kept = dict.fromkeys(forced._kept, 0.0)
     assert forced.draft(long_match, 16) == [37]
     assert Speculation("off").draft(long_match, 16) == []
+
+
+def _decode_a_quote(spec: Speculation, passage: list[int]) -> int | None:
+    """Greedy decoding of a reply that quotes `passage` (after a first copy of it) and then says 8, drafts
+    verified against it: how far the quote had gone when the first draft was made."""
+    start, reply = len(passage) + 1, [*passage, 8]
+    tokens, first = [*passage, 7, *passage[:2]], None
+    while len(tokens) < start + len(reply):
+        pos = len(tokens) - start
+        draft = spec.draft(tokens, 16)
+        kept = next((j for j, tok in enumerate(draft) if tok != reply[pos + j]), len(draft))
+        if draft:
+            first = pos if first is None else first
+            spec.record_draft(kept + 1, len(draft))
+        tokens += reply[pos:pos + kept + 1]
+    return first
+
+
+def test_auto_learns_from_the_drafts_it_does_not_make():
+    passage = list(range(100, 180))
+    spec = Speculation("auto")
+    spec.cost.jump, spec.cost.slope = 0.34, 0.47  # the 2-core VM's batch costs: a draft pays only if it is sure
+    spec._kept = dict.fromkeys(spec._kept, 0.0)  # and nothing has held so far
+    first = _decode_a_quote(spec, passage)
+    # the lookup drafts it did not make were counted as the reply showed them holding: once the quote has
+    # held for some tokens (not 32, the last class, nor after a probe), auto drafts, and every draft holds
+    assert first is not None and first < 16 and spec.accepted > 40 and spec.acceptance > 0.9
+    cpu = Speculation("auto")
+    cpu.cost.jump, cpu.cost.slope = 0.34, 0.47
+    reply = [*passage, 7, *passage[:5]]
+    assert cpu.draft(reply, 16) == []  # 5 tokens of agreement: not sure enough to pay here
+    prior = cpu.acceptance_of(4)
+    reply.append(5)  # the reply parts from the passage where the draft was not made
+    cpu.draft(reply, 16)
+    assert cpu.acceptance_of(4) < prior and cpu.drafted == 0
+    missed = cpu.acceptance_of(4)
+    other = [*passage, 7, *passage[:5]]
+    cpu.draft(other, 16)
+    cpu.draft([*other, 5], 16)  # a new reply (its prefill makes a new list): the draft not made is not counted
+    assert cpu.acceptance_of(4) == missed
 
 
 def test_what_a_draft_teaches():

@@ -27,7 +27,7 @@ MATCH_CAP = 32  # how far back a match is followed
 CLASSES = (2, 4, 8, 16, 32)  # where match-length classes start: the longer the text has agreed, the surer it goes on
 PRIOR = {2: 0.5, 4: 0.6, 8: 0.7, 16: 0.8, 32: 0.9}  # a draft token's chance in each class before any is measured
 MODEL = 0  # the draft model's entry in the acceptance counts (a match length of none)
-PROBE_EVERY = 48  # drafts skipped (they would not pay) before one is tried anyway: the text may have changed
+PROBE_EVERY = 48  # draft-model drafts skipped (they would not pay) before one is tried: the text may have changed
 DECAY = 0.95  # the weight of earlier draft tokens in the acceptance estimates
 
 
@@ -62,6 +62,7 @@ class Speculation:
         self._plans: dict[tuple[int, bool], tuple[int, float]] = {}  # (agreement, verifying) -> length, gain
         self._plans_at = -1  # the cost measurements they were computed with
         self._skipped = 0
+        self._shadow: tuple[int, list[int], int] | None = None  # a lookup draft not made: where, its tokens, agreement
         self._match = 0  # the match length of the draft in flight (MODEL: the draft model's)
         self.drafted = self.accepted = 0  # this chat's totals
         self.model_drafted = 0  # of the drafted tokens, those the draft model wrote
@@ -70,8 +71,8 @@ class Speculation:
     def _sync(self, tokens: list[int]) -> None:
         """Index the n-grams of `tokens` not indexed yet; a list that shrank or was replaced is
         indexed afresh (a stale entry could only draft badly: every draft is verified)."""
-        if tokens is not self._source or len(tokens) < self._indexed:
-            self._index, self._indexed, self._source = {}, 0, tokens
+        if tokens is not self._source or len(tokens) < self._indexed:  # a new reply (its prefill makes the list anew)
+            self._index, self._indexed, self._source, self._shadow = {}, 0, tokens, None
         for end in range(max(self._indexed, 2), len(tokens)):  # n-grams ending before `end`, continued at `end`
             for n in NGRAM_SIZES:
                 if end >= n:
@@ -96,14 +97,16 @@ class Speculation:
         if limit < 1 or self.mode == "off":
             return []
         self._sync(tokens)
+        self._settle(tokens)
         match = self._lookup(tokens)
         if match is not None:
             start, agree = match
             length, gain = self._plan(agree)
-            if gain >= 1 or self.mode == "on" or self.model is None:
-                length = self._pay_or_probe(length, gain)
+            if gain >= 1 or self.mode == "on":
                 self._match = agree
                 return tokens[start:start + min(length, limit)]
+            if self._shadow is None:  # not verified, but the reply will show how far it would have held
+                self._shadow = (len(tokens), tokens[start:start + DRAFT_MAX], agree)
         if self.model is None:
             return []
         length, gain = self.best_length([self.acceptance_of(MODEL)] * DRAFT_MAX, self._model_cost())
@@ -117,8 +120,24 @@ class Speculation:
         self.model_drafted += len(proposed)
         return proposed
 
+    def _settle(self, tokens: list[int]) -> None:
+        """Count the tokens of the lookup draft that was not made as if it had been, each as soon as the
+        reply shows it: a lookup draft costs nothing to look at, so auto learns what each agreement class
+        holds in this text without paying for drafts that would not pay (greedy, exact; sampled, it
+        counts the event a verification keeps a token by)."""
+        if self._shadow is None:
+            return
+        at, proposal, agree = self._shadow
+        for j in range(len(tokens) - at):
+            held = tokens[at + j] == proposal[j]
+            self._tally(self.class_of(agree + j), held)
+            if not held or j + 1 == len(proposal):
+                self._shadow = None
+                return
+        self._shadow = (len(tokens), proposal[len(tokens) - at:], agree + len(tokens) - at)
+
     def _pay_or_probe(self, length: int, gain: float) -> int:
-        """The length to draft: the one that pays, or none (auto) but for a probe every PROBE_EVERY
+        """The draft model's length: the one that pays, or none (auto) but for a probe every PROBE_EVERY
         tokens: the cheapest draft tells whether the text turned predictable."""
         if gain >= 1 or self.mode == "on":
             self._skipped = 0
@@ -178,12 +197,20 @@ class Speculation:
         """How a draft fared: `produced`, the tokens its verification handed out (kept + the next one).
         Each draft token tried counts in its class, kept or missed; those after a miss were not tried."""
         kept = produced - 1
-        for j in range(min(kept + 1, drafted)):
-            key = MODEL if self._match == MODEL else self.class_of(self._match + j)
-            self._kept[key] = self._kept[key] * DECAY + (j < kept)
-            self._missed[key] = self._missed[key] * DECAY + (j == kept)
+        self._count(self._match, kept, min(kept + 1, drafted))
         self.drafted += drafted
         self.accepted += kept
+
+    def _count(self, match: int, kept: int, tried: int) -> None:
+        """The first `tried` tokens of a draft made where `match` tokens agreed (MODEL: the draft model's),
+        of which the first `kept` held."""
+        for j in range(tried):
+            self._tally(MODEL if match == MODEL else self.class_of(match + j), j < kept)
+
+    def _tally(self, key: int, held: bool) -> None:
+        """One draft token's outcome in its class (or the draft model's)."""
+        self._kept[key] = self._kept[key] * DECAY + held
+        self._missed[key] = self._missed[key] * DECAY + (not held)
         self._plans = {}
 
     @property
