@@ -1,9 +1,10 @@
-"""How the draft policy (`Speculation` with a `StepCost`) would do on machines it cannot be run on
-here: the demo model's greedy replies to a few workloads (made once, on this machine, drafts off),
-replayed against measured batch costs (`scripts/verify_cost.py`'s batch_over_one and
-one_after_batch_over_one). A replay drafts exactly as the engine would and counts a draft's tokens as
-kept where the plain reply has them, so it predicts speed over plain decode from costs alone (no
-Python or UI time, no noise); it is how the policy was chosen, and what stands for a GPU run of it.
+"""How the draft policy (`Speculation` with a `StepCost`) would do on machines it cannot be run on here:
+the demo model's greedy replies to a few workloads (made once, on this machine, drafts off), replayed
+against measured batch costs (`scripts/verify_cost.py`: a batch after one of its size, after a one-token
+step and after one of another size, the one-token steps after a batch). A replay drafts exactly as the
+engine would and counts a draft's tokens as kept where the plain reply has them, so it predicts speed
+over plain decode from costs alone (no Python or UI time, no noise); it is how the policy was chosen,
+and what stands for a GPU run of it.
 
 usage: python scripts/draft_sim.py MODEL.gguf [--replies FILE.json] [--rounds 2]   (a table; JSON with --json)
 """
@@ -28,14 +29,26 @@ MORE = {
     "poem": "Write a poem about the sea at night.",
     "list": "List ten fruits, one per line, each with its colour.",
 }
-# a batch of n tokens in one-token steps, the one-token step after a batch, whether a GPU (measured:
-# docs/bench-verify-cpu.json, docs/gpu/verify-demo-h200-switch.json, docs/gpu/verify-8b-switch.json)
+# per machine, in one-token steps (scripts/verify_cost.py: docs/bench-verify-cpu-reshape.json,
+# docs/gpu/verify-demo-h200-reshape.json, docs/gpu/verify-8b-reshape.json): a batch of n tokens after one
+# of the same size; what a batch adds after a one-token step and after a batch of another size (llama.cpp
+# builds its graph again); what the two one-token steps after a batch add; whether a GPU
 MACHINES = {
-    "2-core VM, demo": ({1: 1, 2: 1.823, 3: 2.433, 4: 3.074, 5: 3.588, 6: 3.901, 7: 4.41, 8: 4.536, 9: 5.165}, 0.992,
-                        False),
-    "H200, demo": ({1: 1, 2: 1.151, 3: 1.372, 4: 1.413, 5: 1.466, 6: 1.512, 7: 1.553, 8: 1.611, 9: 2.971}, 2.794, True),
-    "H200, 8b-gqa": ({1: 1, 2: 1.133, 3: 1.324, 4: 1.544, 5: 1.768, 6: 1.979, 7: 2.101, 8: 2.291}, 1.304, True),
+    "2-core VM, demo": ({1: 1, 2: 1.691, 3: 2.021, 4: 2.45, 5: 3.024, 6: 3.464, 7: 3.859, 8: 4.008, 9: 4.658},
+                        0.03, 0.03, 0.0, False),
+    "H200, demo": ({1: 1, 2: 1.168, 3: 1.382, 4: 1.423, 5: 1.475, 6: 1.525, 7: 1.58, 8: 1.648, 9: 3.072},
+                   2.0, 1.95, 3.29, True),
+    "H200, 8b-gqa": ({1: 1, 2: 1.138, 3: 1.321, 4: 1.543, 5: 1.707, 6: 1.895, 7: 2.087, 8: 2.278, 9: 2.047},
+                     0.2, 0.2, 0.51, True),
 }
+
+
+def _step(machine: str, size: int, last: int) -> float:
+    """A step of `size` tokens after one of `last`, in one-token steps."""
+    table, after_one, after_other, switch, _ = MACHINES[machine]
+    if size == 1:
+        return 1.0 + (switch if last > 1 else 0.0)
+    return _cost(table, size) + (0.0 if size == last else after_one if last == 1 else after_other)
 
 
 def _cost(table: dict[int, float], n: int) -> float:
@@ -59,21 +72,20 @@ def make_replies(model: str) -> dict[str, dict[str, list[int]]]:
 
 def replay(context: list[int], reply: list[int], mode: str, machine: str, cost: StepCost) -> float:
     """Plain decode's steps over the policy's for this reply."""
-    table, after, _ = MACHINES[machine]
     prompt = len(context) - len(reply)
     spec = Speculation(mode, cost=cost)
-    done, steps, verifying = 1, 0.0, False
+    done, steps, last = 1, 0.0, 1
     tokens = context[:prompt + done]  # one list that grows, as the engine's does within a reply
     while done < len(reply):
         draft = spec.draft(tokens, 256)
         kept = 0
         while kept < len(draft) and done + kept < len(reply) and draft[kept] == reply[done + kept]:
             kept += 1
-        step = _cost(table, 1 + len(draft)) if draft else (after if verifying else 1.0)
+        step = _step(machine, 1 + len(draft), last)
         if draft:
             spec.record_draft(kept + 1, len(draft))
         spec.record_step(step, kept + 1, len(draft))
-        steps, done, verifying = steps + step, done + kept + 1, bool(draft)
+        steps, done, last = steps + step, done + kept + 1, 1 + len(draft)
         tokens.extend(context[len(tokens):prompt + done])
     return (len(reply) - 1) / steps
 
@@ -90,7 +102,7 @@ def main() -> int:
     if cache and not cache.exists():
         cache.write_text(json.dumps(replies))
     result: dict[str, dict[str, dict[str, float]]] = {}
-    for machine, (_, _, gpu) in MACHINES.items():
+    for machine, (*_, gpu) in MACHINES.items():
         for mode in ("auto", "on"):
             cost = StepCost(gpu=gpu)
             cost.step_s = 1.0  # the replay's unit: one-token steps

@@ -1,7 +1,9 @@
-"""What verifying a draft costs on this machine: a batch of 1 + k tokens against one-token steps, and
-the decode speed when every draft is right (the model's own greedy reply from a first run, drafted
-DRAFT_MAX tokens at a time). For models whose acceptance cannot be measured (random weights), this is the
-ceiling drafting reaches here; the acceptance of real text is measured on the demo model.
+"""What verifying a draft costs on this machine: a batch of 1 + k tokens against one-token steps (after a
+batch of its size, after a one-token step, after a batch of another size; and the one-token steps after
+a batch: llama.cpp builds its graph again for a batch of another shape), and the decode speed when every
+draft is right (the model's own greedy reply from a first run, drafted DRAFT_MAX tokens at a time). For
+models whose acceptance cannot be measured (random weights), this is the ceiling drafting reaches here;
+the acceptance of real text is measured on the demo model.
 
 usage: python scripts/verify_cost.py MODEL.gguf [--gpu-layers -1] [--tokens 128] [--depth 300]   (JSON)
 """
@@ -38,6 +40,26 @@ def _reply(e: Engine, prompt: list[int], n: int, spec: Speculation | None) -> tu
     """The greedy reply's tokens and its tokens a second after the first."""
     tokens, seconds = greedy_reply(e, prompt, n, spec)
     return tokens, (len(tokens) - 1) / seconds
+
+
+def _after(e: Engine, prompt: list[int], base: int, before: int, n: int, then: int = 0) -> float:
+    """Seconds for a batch of n tokens (all logits if more than one) right after a batch of `before`, or
+    for the one-token step `then` steps after that batch."""
+    times = []
+    for _ in range(10):
+        e._decode(prompt[:before], base, want_logits=True, all_logits=True)
+        e.synchronize()
+        lc.llama_memory_seq_rm(e.mem, SEQ, base + before - 1, -1)  # the last one is evaluated again
+        pos = base + before - 1
+        for step in range(then + 1):
+            t0 = time.perf_counter()
+            batch = prompt[pos - base:pos - base + (n if step == 0 else 1)]
+            e._decode(batch, pos, want_logits=True, all_logits=len(batch) > 1)
+            e.synchronize()
+            pos += len(batch)
+        times.append(time.perf_counter() - t0)
+        lc.llama_memory_seq_rm(e.mem, SEQ, base, -1)
+    return statistics.median(times)
 
 
 def main() -> int:
@@ -79,19 +101,15 @@ def main() -> int:
         cost[n] = statistics.median(times)
     out["batch_ms"] = {n: round(t * 1000, 3) for n, t in cost.items()}
     out["batch_over_one"] = {n: round(t / cost[1], 3) for n, t in cost.items()}
-    # a one-token step right after a batch: llama.cpp reuses a step's graph only for the same batch shape
-    after = []
-    for _ in range(10):
-        e._decode(prompt[:2], base, want_logits=True, all_logits=True)
-        e.synchronize()
-        lc.llama_memory_seq_rm(e.mem, SEQ, base + 1, -1)
-        t0 = time.perf_counter()
-        e._decode(prompt[1:2], base + 1, want_logits=True)
-        e.synchronize()
-        after.append(time.perf_counter() - t0)
-        lc.llama_memory_seq_rm(e.mem, SEQ, base, -1)
-    out["one_after_batch_ms"] = round(statistics.median(after) * 1000, 3)
-    out["one_after_batch_over_one"] = round(statistics.median(after) / cost[1], 3)
+    # llama.cpp reuses a step's graph only for a batch of the same size: a one-token step right after a
+    # batch, and a batch right after a one-token step or a batch of another size, build it again
+    one_after = _after(e, prompt, base, 2, 1)
+    out["one_after_batch_ms"] = round(one_after * 1000, 3)
+    out["one_after_batch_over_one"] = round(one_after / cost[1], 3)
+    out["second_one_after_batch_over_one"] = round(_after(e, prompt, base, 2, 1, then=1) / cost[1], 3)
+    out["batch_after_one_over_one"] = {n: round(_after(e, prompt, base, 1, n) / cost[1], 3) for n in range(2, 10)}
+    out["batch_after_other_size_over_one"] = {n: round(_after(e, prompt, base, 2 + n % 8, n) / cost[1], 3)
+                                              for n in range(2, 10)}  # 2 + n % 8 != n
     e.close()
     json.dump(out, sys.stdout, indent=1)
     sys.stdout.write("\n")

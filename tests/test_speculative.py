@@ -226,18 +226,30 @@ def test_what_a_draft_teaches():
     # class 8: the token at 8 kept, then the one at 9 missed; earlier counts decay at each
     assert abs(spec._kept[8] - (PRIOR[8] * 2 * 0.95 + 1) * 0.95) < 1e-9
     assert abs(spec._missed[8] - ((1 - PRIOR[8]) * 2 * 0.95 * 0.95 + 1)) < 1e-9
-    for _ in range(5):  # verifications costing 1.34 steps + 0.47 a draft token, each then 0.18 more to switch back
-        for k in (1, 2, 4, 8):
-            spec.record_step(0.010 * (1 + 0.34 + 0.47 * k), 1 + k, k)
-            spec.record_step(0.010 * 1.18, 1, 0)
-    assert abs(spec.cost.jump - 0.34) < 0.05 and abs(spec.cost.slope - 0.47) < 0.02
-    assert abs(spec.cost.switch - 0.18) < 0.01
-    assert spec.cost.step_s == 0.010  # the steps that rebuilt llama.cpp's graph are not plain steps
-    # starting to verify costs the switch back too (less where the draft is likely to hold and be followed
-    # by another); going on from a verification does not
-    assert spec.cost.steps(4, held=0.5) == 1 + spec.cost.jump + spec.cost.slope * 4 + 0.5 * spec.cost.switch
-    spec.record_step(0.010 * 2, 2, 1)
-    assert spec.cost.batching and spec.cost.steps(4) == 1 + spec.cost.jump + spec.cost.slope * 4
+    # verifications costing 1.2 steps + 0.3 a draft token, 0.6 more where the step before was of another
+    # size (llama.cpp builds its graph again), and the two one-token steps after them 0.3 and 0.1 more
+    for _ in range(5):
+        for k in (1, 2, 4, 7):
+            spec.record_step(0.010 * (1.2 + 0.3 * k + 0.6), 1 + k, k)
+            for _ in range(3):
+                spec.record_step(0.010 * (1.2 + 0.3 * k), 1 + k, k)
+            spec.record_step(0.010 * 1.3, 1, 0)
+            spec.record_step(0.010 * 1.1, 1, 0)
+    cost = spec.cost
+    # the batch alone, against the prior's 1.33 + 0.47 k (it keeps a weight of its own: one odd measurement
+    # must not make the fit) and the reshape above the prior's 0.1 (measured against the fit)
+    assert all(abs(cost.jump + cost.slope * k - (0.2 + 0.3 * k)) < 0.3 * (0.13 + 0.17 * k) for k in range(1, 8))
+    assert 0.25 < cost.reshape < 0.7 and abs(cost.switch - 0.4) < 0.02
+    assert cost.step_s == 0.010  # the steps that rebuilt llama.cpp's graph are not plain steps
+    # starting to verify costs the reshape and the switch back (less where the draft is likely to hold and
+    # be followed by another); going on from a verification of the same size costs neither
+    assert cost.steps(4, held=0.5) == 1 + cost.jump + cost.slope * 4 + cost.reshape + 0.5 * cost.switch
+    spec.record_step(0.010 * 2.4, 5, 4)
+    assert cost.batching and cost.steps(4) == 1 + cost.jump + cost.slope * 4
+    assert cost.steps(2) == 1 + cost.jump + cost.slope * 2 + cost.reshape
+    batch = cost.jump + cost.slope * 4
+    spec.record_step(0.5, 5, 4)  # a pause elsewhere (50 steps) counts as a batch of twice the cost at most
+    assert cost.jump + cost.slope * 4 < batch + 1
 
 
 def test_a_greedy_chain_draws_the_logits_first_maximum(demo_engine):

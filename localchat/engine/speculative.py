@@ -22,7 +22,7 @@ from localchat.engine.backend import SEQ
 from localchat.engine.stepcost import StepCost
 
 NGRAM_SIZES = (4, 3, 2)  # the longest match wins; shorter ones draft more often, less well
-DRAFT_MAX = 8  # CUDA switches kernels past 8 tokens: a batch of 9 cost 3.0 one-token steps on an H200, 8 cost 1.6
+DRAFT_MAX = 7  # batches of at most 8: past 8 CUDA leaves its one-token kernels (H200, demo: 9 cost 2.9 steps, 8: 1.6)
 MATCH_CAP = 32  # how far back a match is followed
 CLASSES = (2, 4, 8, 16, 32)  # where match-length classes start: the longer the text has agreed, the surer it goes on
 PRIOR = {2: 0.5, 4: 0.6, 8: 0.7, 16: 0.8, 32: 0.9}  # a draft token's chance in each class before any is measured
@@ -59,7 +59,7 @@ class Speculation:
         self._kept = {c: PRIOR[c] * 2 for c in CLASSES} | {MODEL: 1.0}
         self._missed = {c: (1 - PRIOR[c]) * 2 for c in CLASSES} | {MODEL: 1.0}
         self._model_s = 0.0  # the draft model's time in the step in flight
-        self._plans: dict[tuple[int, bool], tuple[int, float]] = {}  # (agreement, verifying) -> length, gain
+        self._plans: dict[tuple[int, int, bool], tuple[int, float]] = {}  # (agreement, last batch, verifying) -> plan
         self._plans_at = -1  # the cost measurements they were computed with
         self._skipped = 0
         self._shadow: tuple[int, list[int], int] | None = None  # a lookup draft not made: where, its tokens, agreement
@@ -164,7 +164,7 @@ class Speculation:
         a measurement changed it (it is asked at every token that has a match, in a GPU's critical path)."""
         if self._plans_at != self.cost.version:
             self._plans, self._plans_at = {}, self.cost.version
-        key = (agree, self.cost.batching)
+        key = (agree, self.cost.size, self.cost.batching)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self.best_length(
