@@ -47,7 +47,8 @@ class Speculation:
     and text (`mode`: auto, on, off). Measured as the reply goes: what a batch costs in one-token
     steps (`cost`), and how often a draft token holds after the context has agreed with the place it
     is drafted from for so many tokens (the match-length class: a quote that has held for 20 tokens
-    goes on more surely than a 2-token coincidence)."""
+    goes on more surely than a 2-token coincidence), counted for the lookup drafts made and for those
+    skipped, as the reply shows them."""
 
     def __init__(self, mode: str = "auto", model: Drafter | None = None, cost: StepCost | None = None):
         self.mode, self.model = mode, model
