@@ -60,7 +60,7 @@ class Speculation:
         self._kept = {c: PRIOR[c] * 2 for c in CLASSES} | {MODEL: 1.0}
         self._missed = {c: (1 - PRIOR[c]) * 2 for c in CLASSES} | {MODEL: 1.0}
         self._model_s = 0.0  # the draft model's time in the step in flight
-        self._plans: dict[tuple[int, int, bool], tuple[int, float]] = {}  # (agreement, last batch, verifying) -> plan
+        self._plans: dict[tuple[int, int], tuple[int, float]] = {}  # (agreement, last step's batch) -> length, gain
         self._plans_at = -1  # the cost measurements they were computed with
         self._skipped = 0
         self._shadow: tuple[int, list[int], int] | None = None  # a lookup draft not made: where, its tokens, agreement
@@ -165,7 +165,7 @@ class Speculation:
         a measurement changed it (it is asked at every token that has a match, in a GPU's critical path)."""
         if self._plans_at != self.cost.version:
             self._plans, self._plans_at = {}, self.cost.version
-        key = (agree, self.cost.size, self.cost.batching)
+        key = (agree, self.cost.size)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self.best_length(

@@ -29,7 +29,6 @@ class StepCost:
         self.size = 0  # the last step's batch: 1 + its draft tokens
         self._settling, self._switch_sum = 0, 0.0  # one-token steps after a batch still to come in the switch
         self._sums = [0.0] * 5  # decayed sums over verifications (k, y): weight, k, k*k, y, k*y
-        self.batching = False  # the last step was a verification: the switch back is still to come
         self.jump = self.slope = 0.0
         self.version = 0  # counts the changes, for those who keep what follows from them
         self._solve()
@@ -50,9 +49,8 @@ class StepCost:
                 else:
                     self.reshape = moving_average(self.reshape, max(0.0, y - self.jump - self.slope * drafted), 0.3)
                     self.version += 1
-            self.batching, self._settling, self._switch_sum = True, SETTLE_STEPS, 0.0
+            self._settling, self._switch_sum = SETTLE_STEPS, 0.0
         elif self._settling:
-            self.batching = False
             self._settling -= 1
             if self.step_s:
                 self._switch_sum += max(0.0, seconds / self.step_s - 1)
@@ -62,6 +60,11 @@ class StepCost:
         else:
             self.step_s = moving_average(self.step_s, seconds)
         self.size = 1 + drafted
+
+    @property
+    def batching(self) -> bool:
+        """The last step was a verification: the switch back is still to come."""
+        return self.size > 1
 
     def _solve(self) -> None:
         w, sk, skk, sy, sky = self._sums
