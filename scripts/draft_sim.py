@@ -4,9 +4,12 @@ against measured batch costs (`scripts/verify_cost.py`: a batch after one of its
 step and after one of another size, the one-token steps after a batch). A replay drafts exactly as the
 engine would and counts a draft's tokens as kept where the plain reply has them, so it predicts speed
 over plain decode from costs alone (no Python or UI time, no noise); it is how the policy was chosen,
-and what stands for a GPU run of it.
+and what stands for a GPU run of it. With --ceiling, beside the policy: what perfect foresight would reach
+(at each token, the lookup draft's length that makes the reply fastest, knowing how far it will hold)
+and the best fixed rule chosen knowing the reply (draft L tokens wherever the latest A tokens agree).
+The replies are the demo model's unless --replies names others (the 8B shape's, made on its GPU).
 
-usage: python scripts/draft_sim.py MODEL.gguf [--replies FILE.json] [--rounds 2]   (a table; JSON with --json)
+usage: python scripts/draft_sim.py MODEL.gguf [--replies FILE.json] [--rounds 2] [--ceiling]   (JSON: --json)
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from localchat import runtime
 from localchat.benchdecode import PASSAGE, WORKLOADS, fresh_reply
-from localchat.engine.speculative import Speculation
+from localchat.engine.speculative import DRAFT_MAX, Speculation
 from localchat.engine.stepcost import StepCost
 
 MORE = {
@@ -32,10 +36,13 @@ MORE = {
 # per machine, in one-token steps (scripts/verify_cost.py: docs/bench-verify-cpu-reshape.json,
 # docs/gpu/verify-demo-h200-reshape.json, docs/gpu/verify-8b-reshape.json): a batch of n tokens after one
 # of the same size; what a batch adds after a one-token step and after a batch of another size (llama.cpp
-# builds its graph again); what the two one-token steps after a batch add; whether a GPU
+# builds its graph again); what the two one-token steps after a batch add; whether a GPU. "in a reply":
+# the batches timed as a reply runs, handing out their tokens included (docs/bench-verify-cpu-inreply.json)
 MACHINES = {
     "2-core VM, demo": ({1: 1, 2: 1.691, 3: 2.021, 4: 2.45, 5: 3.024, 6: 3.464, 7: 3.859, 8: 4.008, 9: 4.658},
                         0.03, 0.03, 0.0, False),
+    "2-core VM, in a reply": ({1: 1, 2: 1.804, 3: 2.348, 4: 2.865, 5: 3.547, 6: 4.041, 7: 4.565, 8: 4.818},
+                              0.03, 0.03, 0.0, False),
     "H200, demo": ({1: 1, 2: 1.168, 3: 1.382, 4: 1.423, 5: 1.475, 6: 1.525, 7: 1.58, 8: 1.648, 9: 3.072},
                    2.0, 1.95, 3.29, True),
     "H200, 8b-gqa": ({1: 1, 2: 1.138, 3: 1.321, 4: 1.543, 5: 1.707, 6: 1.895, 7: 2.087, 8: 2.278, 9: 2.047},
@@ -70,24 +77,83 @@ def make_replies(model: str) -> dict[str, dict[str, list[int]]]:
     return out
 
 
-def replay(context: list[int], reply: list[int], mode: str, machine: str, cost: StepCost) -> float:
-    """Plain decode's steps over the policy's for this reply."""
+def _walk(context: list[int], reply: list[int], machine: str, draft_of: Callable[[list[int]], list[int]],
+          learn: Callable[[float, int, int], None] | None = None) -> float:
+    """Plain decode's steps over those of drafting as `draft_of` does, for this reply (`learn`: told each
+    step's cost, the draft tokens kept and drafted)."""
     prompt = len(context) - len(reply)
-    spec = Speculation(mode, cost=cost)
     done, steps, last = 1, 0.0, 1
     tokens = context[:prompt + done]  # one list that grows, as the engine's does within a reply
     while done < len(reply):
-        draft = spec.draft(tokens, 256)
+        draft = draft_of(tokens)
         kept = 0
         while kept < len(draft) and done + kept < len(reply) and draft[kept] == reply[done + kept]:
             kept += 1
         step = _step(machine, 1 + len(draft), last)
-        if draft:
-            spec.record_draft(kept + 1, len(draft))
-        spec.record_step(step, kept + 1, len(draft))
+        if learn:
+            learn(step, kept, len(draft))
         steps, done, last = steps + step, done + kept + 1, 1 + len(draft)
         tokens.extend(context[len(tokens):prompt + done])
     return (len(reply) - 1) / steps
+
+
+def replay(context: list[int], reply: list[int], mode: str, machine: str, cost: StepCost) -> float:
+    """Plain decode's steps over the policy's for this reply."""
+    spec = Speculation(mode, cost=cost)
+
+    def learn(step: float, kept: int, drafted: int) -> None:
+        if drafted:
+            spec.record_draft(kept + 1, drafted)
+        spec.record_step(step, kept + 1, drafted)
+    return _walk(context, reply, machine, lambda tokens: spec.draft(tokens, 256), learn)
+
+
+def fixed_rule(context: list[int], reply: list[int], machine: str, agree: int, length: int) -> float:
+    """Plain decode's steps over a rule's: a lookup draft of `length` tokens wherever `agree` tokens agree."""
+    index = Speculation("on")
+
+    def draft_of(tokens: list[int]) -> list[int]:
+        match = index.match(tokens)
+        return tokens[match[0]:match[0] + length] if match and match[1] >= agree else []
+    return _walk(context, reply, machine, draft_of)
+
+
+def perfect(context: list[int], reply: list[int], machine: str) -> float:
+    """Plain decode's steps over perfect foresight's: at each token the lookup draft of the length (none
+    to DRAFT_MAX) that makes the rest of the reply fastest, knowing how far it will hold (a draft longer
+    than that may pay where it keeps the batch's shape)."""
+    prompt, n = len(context) - len(reply), len(reply)
+    index, tokens, holds = Speculation("on"), context[:prompt], [0]
+    for done in range(1, n):
+        tokens.extend(context[len(tokens):prompt + done])
+        match = index.match(tokens)
+        proposal = tokens[match[0]:match[0] + DRAFT_MAX] if match else []
+        held = 0
+        while held < len(proposal) and done + held < n and proposal[held] == reply[done + held]:
+            held += 1
+        holds.append(held)
+    sizes = range(1, DRAFT_MAX + 2)
+    rest = [[0.0] * (DRAFT_MAX + 2) for _ in range(n + 1)]  # [done][last step's size]: the fastest rest
+    for done in range(n - 1, 0, -1):
+        for last in sizes:
+            rest[done][last] = min(_step(machine, 1 + k, last) + rest[min(n, done + min(k, holds[done]) + 1)][1 + k]
+                                   for k in range(DRAFT_MAX + 1))
+    return (n - 1) / rest[1][1]
+
+
+def ceilings(replies: dict[str, dict[str, list[int]]], policy: dict[str, dict[str, dict[str, float]]]) -> dict:
+    """Per machine and reply: perfect foresight, the best fixed rule (and its agreement and length), auto."""
+    out: dict[str, dict[str, dict]] = {}
+    for machine in MACHINES:
+        for name, r in replies.items():
+            rules = {(a, k): fixed_rule(r["context"], r["reply"], machine, a, k)
+                     for a in range(2, 17) for k in range(1, DRAFT_MAX + 1)}
+            (a, k), speed = max(rules.items(), key=lambda item: item[1])
+            out.setdefault(machine, {})[name] = {
+                "perfect": round(perfect(r["context"], r["reply"], machine), 3),
+                "best_rule": round(speed, 3), "rule_agree": a, "rule_length": k,
+                "auto": policy[machine]["auto"][name]}
+    return out
 
 
 def main() -> int:
@@ -95,6 +161,7 @@ def main() -> int:
     p.add_argument("model")
     p.add_argument("--replies", help="the replies made by an earlier run (written there if absent)")
     p.add_argument("--rounds", type=int, default=2, help="replays per machine; the last is reported (costs learned)")
+    p.add_argument("--ceiling", action="store_true", help="perfect foresight and the best fixed rule beside auto")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     cache = Path(args.replies) if args.replies else None
@@ -110,6 +177,18 @@ def main() -> int:
                 speeds = {name: round(replay(r["context"], r["reply"], mode, machine, cost), 3)
                           for name, r in replies.items()}
             result.setdefault(machine, {})[mode] = speeds
+    if args.ceiling:
+        ceiling = ceilings(replies, result)
+        if args.json:
+            json.dump(ceiling, sys.stdout, indent=1)
+            return 0
+        print("speed over plain decode (replayed): perfect foresight / best fixed rule (agree, length) / auto")
+        for machine, per_reply in ceiling.items():
+            print(f"  {machine}")
+            for name, c in per_reply.items():
+                print(f"    {name:15} {c['perfect']:5.2f} / {c['best_rule']:5.2f} ({c['rule_agree']:2}, "
+                      f"{c['rule_length']}) / {c['auto']:5.2f}")
+        return 0
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         return 0
@@ -117,10 +196,9 @@ def main() -> int:
     print("speed over plain decode (replayed);", ", ".join(names))
     for machine, modes in result.items():
         for mode, speeds in modes.items():
-            print(f"  {machine:14} {mode:5}", " ".join(f"{speeds[n]:5.2f}" for n in names),
+            print(f"  {machine:21} {mode:5}", " ".join(f"{speeds[n]:5.2f}" for n in names),
                   f"| geometric mean {statistics.geometric_mean(speeds.values()):.3f}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

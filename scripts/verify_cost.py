@@ -1,9 +1,10 @@
 """What verifying a draft costs on this machine: a batch of 1 + k tokens against one-token steps (after a
 batch of its size, after a one-token step, after a batch of another size; and the one-token steps after
 a batch: llama.cpp builds its graph again for a batch of another shape), and the decode speed when every
-draft is right (the model's own greedy reply from a first run, drafted DRAFT_MAX tokens at a time). For
-models whose acceptance cannot be measured (random weights), this is the ceiling drafting reaches here;
-the acceptance of real text is measured on the demo model.
+draft is right (the model's own greedy reply from a first run, drafted k tokens at a time, k = 1 to
+DRAFT_MAX): with k = DRAFT_MAX, the ceiling drafting reaches here for models whose acceptance cannot be
+measured (random weights; the acceptance of real text is measured on the demo model); for each k, what
+a verification costs inside a reply, handing its tokens out included (`in_reply_batch_over_one`).
 
 usage: python scripts/verify_cost.py MODEL.gguf [--gpu-layers -1] [--tokens 128] [--depth 300]   (JSON)
 """
@@ -27,13 +28,13 @@ from localchat.engine.speculative import DRAFT_MAX
 class Oracle(Speculation):
     """Drafts the reply a first run gave: every draft is right."""
 
-    def __init__(self, prompt_len: int, reply: list[int]):
+    def __init__(self, prompt_len: int, reply: list[int], length: int = DRAFT_MAX):
         super().__init__("on")
-        self.prompt_len, self.reply = prompt_len, reply
+        self.prompt_len, self.reply, self.length = prompt_len, reply, length
 
     def draft(self, tokens: list[int], limit: int) -> list[int]:
         done = len(tokens) - self.prompt_len
-        return self.reply[done:done + min(limit, DRAFT_MAX)]
+        return self.reply[done:done + min(limit, self.length)]
 
 
 def _reply(e: Engine, prompt: list[int], n: int, spec: Speculation | None) -> tuple[list[int], float]:
@@ -72,20 +73,29 @@ def main() -> int:
     e = Engine(EngineConfig(args.model, n_ctx=4096, n_gpu_layers=args.gpu_layers))
     prompt = (e.tokenize("The library opens at nine. " * 200, special=False))[:args.depth]
     out: dict = {"model": args.model, "depth": len(prompt), "tokens": args.tokens}
-    plain_runs, oracle_runs, same = [], [], True
+    plain_runs, same = [], True
+    by_length: dict[int, list[float]] = {k: [] for k in range(1, DRAFT_MAX + 1)}
+    kept: dict[int, float] = {}
     reply, _ = _reply(e, prompt, args.tokens, None)
-    for _ in range(3):  # interleaved
+    for _ in range(3):  # interleaved: the machine's speed drifts
         tokens, tps = _reply(e, prompt, args.tokens, None)
         plain_runs.append(tps)
-        spec = Oracle(len(prompt), reply)
-        drafted, tps = _reply(e, prompt, args.tokens, spec)
-        oracle_runs.append(tps)
-        same = same and drafted == tokens == reply
-        out["oracle_acceptance"] = round(spec.acceptance, 3)
-    out["plain_tps"] = round(statistics.median(plain_runs), 1)
-    out["oracle_tps"] = round(statistics.median(oracle_runs), 1)
+        for k, runs in by_length.items():
+            spec = Oracle(len(prompt), reply, k)
+            drafted, tps = _reply(e, prompt, args.tokens, spec)
+            runs.append(tps)
+            kept[k] = round(spec.acceptance, 3)
+            same = same and drafted == tokens == reply
+    plain = statistics.median(plain_runs)
+    out["oracle_acceptance"] = kept[DRAFT_MAX]
+    out["plain_tps"] = round(plain, 1)
+    out["oracle_tps"] = round(statistics.median(by_length[DRAFT_MAX]), 1)
     out["oracle_over_plain"] = round(out["oracle_tps"] / out["plain_tps"], 3)
     out["identical_replies"] = same
+    # a verification of k right tokens hands out k + 1: its time over a plain step's, as the reply runs
+    out["in_reply_batch_over_one"] = {k + 1: round((k + 1) * plain / statistics.median(runs), 3)
+                                      for k, runs in by_length.items()}
+    out["in_reply_acceptance"] = kept  # below 1 where a batch's rounding parted the reply from the plain one
     e.clear()
     e.prefill(prompt)
     base = e.n_kv

@@ -91,6 +91,11 @@ class Speculation:
                 return start, agree
         return None
 
+    def match(self, tokens: list[int]) -> tuple[int, int] | None:
+        """Where the latest tokens were last seen, as `_lookup`, the index brought up to date first."""
+        self._sync(tokens)
+        return self._lookup(tokens)
+
     def draft(self, tokens: list[int], limit: int) -> list[int]:
         """What followed the last earlier occurrence of the context's latest tokens, or else what the
         draft model writes, as long as pays (at most `limit`)."""
