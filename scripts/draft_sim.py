@@ -200,5 +200,6 @@ def main() -> int:
                   f"| geometric mean {statistics.geometric_mean(speeds.values()):.3f}")
     return 0
 
+
 if __name__ == "__main__":
     sys.exit(main())
