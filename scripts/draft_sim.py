@@ -77,6 +77,14 @@ def make_replies(model: str) -> dict[str, dict[str, list[int]]]:
     return out
 
 
+def _held(draft: list[int], reply: list[int], done: int) -> int:
+    """How many of the draft's tokens the reply has from token `done` on."""
+    kept = 0
+    while kept < len(draft) and done + kept < len(reply) and draft[kept] == reply[done + kept]:
+        kept += 1
+    return kept
+
+
 def _walk(context: list[int], reply: list[int], machine: str, draft_of: Callable[[list[int]], list[int]],
           learn: Callable[[float, int, int], None] | None = None) -> float:
     """Plain decode's steps over those of drafting as `draft_of` does, for this reply (`learn`: told each
@@ -86,9 +94,7 @@ def _walk(context: list[int], reply: list[int], machine: str, draft_of: Callable
     tokens = context[:prompt + done]  # one list that grows, as the engine's does within a reply
     while done < len(reply):
         draft = draft_of(tokens)
-        kept = 0
-        while kept < len(draft) and done + kept < len(reply) and draft[kept] == reply[done + kept]:
-            kept += 1
+        kept = _held(draft, reply, done)
         step = _step(machine, 1 + len(draft), last)
         if learn:
             learn(step, kept, len(draft))
@@ -127,11 +133,7 @@ def perfect(context: list[int], reply: list[int], machine: str) -> float:
     for done in range(1, n):
         tokens.extend(context[len(tokens):prompt + done])
         match = index.match(tokens)
-        proposal = tokens[match[0]:match[0] + DRAFT_MAX] if match else []
-        held = 0
-        while held < len(proposal) and done + held < n and proposal[held] == reply[done + held]:
-            held += 1
-        holds.append(held)
+        holds.append(_held(tokens[match[0]:match[0] + DRAFT_MAX] if match else [], reply, done))
     sizes = range(1, DRAFT_MAX + 2)
     rest = [[0.0] * (DRAFT_MAX + 2) for _ in range(n + 1)]  # [done][last step's size]: the fastest rest
     for done in range(n - 1, 0, -1):

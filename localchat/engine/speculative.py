@@ -102,9 +102,8 @@ class Speculation:
         self._model_s = 0.0
         if limit < 1 or self.mode == "off":
             return []
-        self._sync(tokens)
+        match = self.match(tokens)
         self._settle(tokens)
-        match = self._lookup(tokens)
         if match is not None:
             start, agree = match
             length, gain = self._plan(agree)
