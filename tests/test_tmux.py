@@ -34,6 +34,13 @@ class Tmux:
             time.sleep(0.1)
         raise AssertionError("timed out; screen:\n" + self.screen())
 
+    def quit(self) -> None:
+        """Ctrl-D at the prompt, once the reply's live view has handed the terminal back to it (a reply's
+        stats are written before that view closes, and in it Ctrl-D stops the reply instead)."""
+        self.wait_for(lambda s: [x.rstrip() for x in s.splitlines() if x.strip()][-2:-1] == [">"])
+        self.keys("C-d")
+        self.wait_for(lambda s: "saving" in s or s.strip() == "", timeout=30)
+
     def kill(self) -> None:
         subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
 
@@ -72,8 +79,7 @@ def test_two_turns_status_bar_and_ctrl_c_in_a_real_terminal(home, tmp_path, demo
         t.wait_for(lambda s: len(read()) == 4)
         after = read()[3]
         assert after["recomputed_tokens"] <= after["new_tokens"] + 1
-        t.keys("C-d")
-        t.wait_for(lambda s: "saving" in s or s.strip() == "", timeout=30)
+        t.quit()
     finally:
         t.kill()
 
@@ -93,8 +99,7 @@ def _typed_chat(home, tmp_path, name: str, *flags: str) -> tuple[list[dict], lis
         time.sleep(1.0)
         t.keys("Enter")
         t.wait_for(lambda s: len(read()) == 2)
-        t.keys("C-d")
-        t.wait_for(lambda s: "saving" in s or s.strip() == "", timeout=30)
+        t.quit()
         time.sleep(1.0)
     finally:
         t.kill()
@@ -129,7 +134,6 @@ def test_a_line_sent_during_a_reply_is_queued_and_replies_render_as_markdown(hom
         screen = t.wait_for(lambda s: code_line in s)
         assert "```" not in screen  # ... and the terminal shows it rendered: a highlighted block, no fences
         assert "> Write a Python function that adds two numbers." in screen
-        t.keys("C-d")
-        t.wait_for(lambda s: "saving" in s or s.strip() == "", timeout=30)
+        t.quit()
     finally:
         t.kill()
