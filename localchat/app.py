@@ -7,8 +7,11 @@ import json
 import sys
 from typing import Any
 
-from localchat import attaching, runtime, sessionctl, status
-from localchat.stats import TurnStats
+from localchat import runtime
+from localchat.chat import attaching
+from localchat.chat.stats import TurnStats
+from localchat.session import lifecycle
+from localchat.ui import status
 
 
 def _report(text: str) -> None:
@@ -28,7 +31,7 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
                     "first user message (as llama.cpp and Ollama do)")
         interactive = sys.stdin.isatty() and sys.stdout.isatty()
         # the terminal UI works ahead while the user reads and types; line mode has no such time
-        ctl = sessionctl.SessionControl.open(rt, args, _report, background=interactive)
+        ctl = lifecycle.Session.open(rt, args, _report, background=interactive)
         for line in attaching.add(rt.chat, args.attach) if args.attach else []:
             _report(line)
         stats_file = open(args.stats_json, "a", encoding="utf-8") if args.stats_json else None
@@ -42,10 +45,10 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         code = 0
         try:
             if interactive:
-                from localchat import repl
+                from localchat.ui import repl
                 repl.run(ctl, after_turn, status.ViewPrefs(markdown=not args.raw, show_thoughts=args.show_reasoning))
             else:
-                from localchat import lineui
+                from localchat.ui import lineui
                 code = lineui.run_lines(ctl, after_turn, show_reasoning=args.show_reasoning)
         finally:
             ctl.close()

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from localchat import __version__
 from localchat.errors import LocalchatError
-from localchat.options import overrides, profile_args
+from localchat.options import overrides, profile_args, setting_args
 
 SUBCOMMANDS = ("chat", "models", "plan", "sessions", "bench", "profiles", "cache")
 
@@ -25,25 +25,12 @@ def chat_parser() -> argparse.ArgumentParser:
                                 epilog="subcommands: localchat {models,plan,profiles,sessions,cache,bench} --help")
     p.add_argument("--version", action="version", version=f"localchat {__version__}")
     profile_args(p)
-    p.add_argument("--system", "-s", help="system prompt")
-    p.add_argument("--max-tokens", type=int, help="longest reply in tokens")
-    p.add_argument("--temperature", "-t", type=float, help="0 = greedy")
-    p.add_argument("--seed", type=int)
+    setting_args(p, chat=True)
+    p.add_argument("--no-think", dest="think", action="store_const", const="off", help="do not think first")
     p.add_argument("--stats-json", metavar="FILE", help="append one JSON object per turn to FILE")
     p.add_argument("--session", metavar="NAME", help="create or resume the named session")
     p.add_argument("-c", "--continue", dest="resume_last", action="store_true", help="resume the most recent session")
-    p.add_argument("--no-autosave", action="store_true", help="save only on /save")
     p.add_argument("--no-session", action="store_true", help="keep nothing on disk")
-    p.add_argument("--overflow", choices=("auto", "shift", "rebuild", "stop"), help="when the context fills")
-    p.add_argument("--history", choices=("official", "as-sampled"),
-                   help="official (default): earlier turns converge to the chat template's own form while you "
-                        "read; as-sampled: kept as the model wrote them")
-    p.add_argument("--no-read-ahead", dest="read_ahead", action="store_false", default=None,
-                   help="do not evaluate the message while it is typed")
-    p.add_argument("--think", nargs="?", const="on", choices=("on", "off", "low", "medium", "high"),
-                   help="reasoning models whose template has a switch: think (on, or an effort for gpt-oss)")
-    p.add_argument("--no-think", dest="think", action="store_const", const="off", help="do not think first")
-    p.add_argument("--reasoning-budget", type=int, metavar="N", help="end the thoughts after N tokens")
     p.add_argument("--show-reasoning", action="store_true",
                    help="show a reasoning model's thoughts (line mode: on stderr; the answer alone on stdout)")
     p.add_argument("--raw", action="store_true", help="replies as raw text, not rendered Markdown")

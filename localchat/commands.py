@@ -5,19 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from localchat import models, planview, prefixcache, profiles, runtime, statefile
-from localchat import plan as planmod
+from localchat import runtime
+from localchat.chatformat.templates import template_problem
 from localchat.errors import ModelError, ProfileError, SessionError
-from localchat.fetch import BUILTIN_MODELS
-from localchat.fingerprint import fingerprint
-from localchat.gguf_file import read_gguf
-from localchat.kvdisk import check_state
+from localchat.machine import models, planview, profiles
+from localchat.machine import plan as planmod
+from localchat.machine.fetch import BUILTIN_MODELS
+from localchat.machine.gguf_file import read_gguf
 from localchat.options import overrides, print_json, profile_args
-from localchat.store import SessionStore, list_sessions
-from localchat.templates import template_problem
+from localchat.session import prefixcache, statefile
+from localchat.session.fingerprint import fingerprint
+from localchat.session.kvdisk import check_state
+from localchat.session.sessiondir import SessionDir, list_sessions
+from localchat.settings import settings_table
 
 
 def _out(text: str = "") -> None:
@@ -52,20 +55,32 @@ def cmd_models(argv: Sequence[str]) -> int:
         except ModelError as exc:
             row["error"] = str(exc)
         rows.append(row)
-    if args.json:
+    return _table(rows, args.json, f"{'name':<36} {'arch':<8} {'params':>7} {'quant':<7} {'size':>8} {'ctx':>7} "
+                  f"{'KV B/tok':>9} tmpl  source", _model_line,
+                  lambda r: None if "arch" in r else f"{r['name']:<36} {r.get('error', r['source'])}")
+
+
+def _table(rows: list[dict[str, Any]], as_json: bool, header: str, lines: Callable[[dict[str, Any]], list[str]],
+           failed: Callable[[dict[str, Any]], str | None]) -> int:
+    """A listing as JSON, or a header and each row's lines (a row that failed: its one line)."""
+    if as_json:
         print_json(rows)
         return 0
-    _out(f"{'name':<36} {'arch':<8} {'params':>7} {'quant':<7} {'size':>8} {'ctx':>7} {'KV B/tok':>9} tmpl  source")
+    _out(header)
     for r in rows:
-        if "arch" not in r:
-            _out(f"{r['name']:<36} {r.get('error', r['source'])}")
-            continue
-        _out(f"{r['name'][:36]:<36} {r['arch']:<8} {r['params'] / 1e9:>6.2f}B {r['quant']:<7} "
-             f"{r['size'] / 1e9:>6.2f}GB {r['n_ctx_train']:>7} {r['kv_bytes_per_token_f16']:>9,} "
-             f"{'REFUSED' if 'template_refused' in r else 'yes' if r['chat_template'] else 'no':<5} {r['source']}")
-        if "template_refused" in r:
-            _out(f"    its chat template is refused: {r['template_refused']}")
+        bad = failed(r)
+        for line in [bad] if bad is not None else lines(r):
+            _out(line)
     return 0
+
+
+def _model_line(r: dict[str, Any]) -> list[str]:
+    tmpl = "REFUSED" if "template_refused" in r else "yes" if r["chat_template"] else "no"
+    out = [f"{r['name'][:36]:<36} {r['arch']:<8} {r['params'] / 1e9:>6.2f}B {r['quant']:<7} "
+           f"{r['size'] / 1e9:>6.2f}GB {r['n_ctx_train']:>7} {r['kv_bytes_per_token_f16']:>9,} {tmpl:<5} {r['source']}"]
+    if "template_refused" in r:
+        out.append(f"    its chat template is refused: {r['template_refused']}")
+    return out
 
 
 # ---------------------------------------------------------------- plan
@@ -97,7 +112,7 @@ def cmd_plan(argv: Sequence[str]) -> int:
 
 
 # ---------------------------------------------------------------- sessions
-def _session_row(s: SessionStore) -> dict:
+def _session_row(s: SessionDir) -> dict:
     m = s.read_meta()
     conv = s.conversation()
     return {"name": s.name, "turns": conv.turns, "tokens": m.get("tokens", len(conv.window_tokens())),
@@ -105,7 +120,7 @@ def _session_row(s: SessionStore) -> dict:
             "profile": m.get("profile")}
 
 
-def verify_session(s: SessionStore) -> list[str]:
+def verify_session(s: SessionDir) -> list[str]:
     """Every check a resume makes, without loading the model. Returns problems (empty: all good)."""
     problems = []
     conv = s.conversation()
@@ -134,7 +149,7 @@ def verify_session(s: SessionStore) -> list[str]:
     return problems
 
 
-def export_markdown(s: SessionStore) -> str:
+def export_markdown(s: SessionDir) -> str:
     conv = s.conversation()
     lines = [f"# {s.name}", ""]
     if conv.system:
@@ -168,7 +183,7 @@ def cmd_sessions(argv: Sequence[str]) -> int:
         return 0
     if not args.name:
         raise SessionError(f"'sessions {args.action}' needs a session name")
-    s = SessionStore(args.name)
+    s = SessionDir(args.name)
     if not s.exists():
         raise SessionError(f"no session named '{args.name}' (see 'localchat sessions')")
     if args.action == "show":
@@ -233,7 +248,11 @@ def cmd_cache(argv: Sequence[str]) -> int:
 def cmd_profiles(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="localchat profiles", description="shipped and user profiles")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--keys", action="store_true", help="every key a profile may set: type, default, values, option")
+    p.add_argument("--markdown", action="store_true", help="with --keys: as the Markdown table README.md holds")
     args = p.parse_args(argv)
+    if args.keys:
+        return _keys(args.json, args.markdown)
     rows = []
     for name, path in profiles.available().items():
         row: dict[str, Any] = {"name": name, "path": str(path),
@@ -246,25 +265,38 @@ def cmd_profiles(argv: Sequence[str]) -> int:
         except ProfileError as exc:
             row["error"] = str(exc)
         rows.append(row)
-    if args.json:
+    return _table(rows, args.json, f"{'name':<12} {'card':>9} {'n_ctx':>7} {'KV':<10} {'offload':<8} {'from':<8} file",
+                  _profile_line, lambda r: f"{r['name']:<12} {r['error']}" if "error" in r else None)
+
+
+def _profile_line(r: dict[str, Any]) -> list[str]:
+    card = (f"{r['gpus']}x " if r["gpus"] > 1 else "") + f"{r['vram_gb']:g} GB" if r["vram_gb"] else "CPU"
+    card += " +RPC" if r["rpc_servers"] else ""
+    kv = r["type_k"] if r["type_k"] == r["type_v"] else f"{r['type_k']}/{r['type_v']}"
+    offload = {0: "none", -1: "all"}.get(r["n_gpu_layers"], f"{r['n_gpu_layers']} layers")
+    return [f"{r['name']:<12} {card:>9} {r['n_ctx']!s:>7} {kv:<10} {offload:<8} {r['source']:<8} {r['path']}"]
+
+
+def _keys(as_json: bool, markdown: bool) -> int:
+    rows = settings_table()
+    if as_json:
         print_json(rows)
-        return 0
-    _out(f"{'name':<12} {'card':>9} {'n_ctx':>7} {'KV':<10} {'offload':<8} {'from':<8} file")
-    for r in rows:
-        if "error" in r:
-            _out(f"{r['name']:<12} {r['error']}")
-            continue
-        card = (f"{r['gpus']}x " if r["gpus"] > 1 else "") + f"{r['vram_gb']:g} GB" if r["vram_gb"] else "CPU"
-        card += " +RPC" if r["rpc_servers"] else ""
-        kv = r["type_k"] if r["type_k"] == r["type_v"] else f"{r['type_k']}/{r['type_v']}"
-        offload = {0: "none", -1: "all"}.get(r["n_gpu_layers"], f"{r['n_gpu_layers']} layers")
-        _out(f"{r['name']:<12} {card:>9} {r['n_ctx']!s:>7} {kv:<10} {offload:<8} {r['source']:<8} {r['path']}")
+    elif markdown:
+        _out("| key | default | valid values | option | what it sets |")
+        _out("|---|---|---|---|---|")
+        for r in rows:
+            option = f"`{r['option']}`" if r["option"] else ""
+            _out(f"| `{r['key']}` | `{r['default']}` | {r['values']} | {option} | {r['help']} |")
+    else:
+        for r in rows:
+            option = f" ({r['option']})" if r["option"] else ""
+            _out(f"{r['key']:<19} {r['default']:<9} {r['help']}{option}; {r['values']}")
     return 0
 
 
 def cmd_bench(argv: Sequence[str]) -> int:
-    from localchat import bench
-    return bench.main(argv)
+    from localchat.bench import command
+    return command.main(argv)
 
 
 def run(name: str, argv: Sequence[str]) -> int:

@@ -1,4 +1,5 @@
-"""Command-line options shared by the chat, `plan` and `bench`, and the JSON printer they use."""
+"""Command-line options shared by the chat, `plan` and `bench`, built from the settings table, and the
+JSON printer they use."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import json
 import sys
 from typing import Any
 
-from localchat.profiles import SETTING_KEYS
+from localchat.settings import KV_TYPES, SETTING_KEYS, Rule, accepted_types, settings
 
 
-def _threads(text: str) -> int | str:
+def _int_or_auto(text: str) -> int | str:
     if text == "auto":
         return text
     try:
@@ -23,23 +24,48 @@ def _servers(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
+def _value_type(key: str) -> Any:
+    """How the option's text becomes the setting's value."""
+    types = accepted_types(key)
+    if str in types and int in types:
+        return _int_or_auto
+    if tuple in types:
+        return _servers
+    return float if float in types else int if int in types else str
+
+
+def _add(p: argparse.ArgumentParser, key: str, r: Rule) -> None:
+    names = [r.flag] + ([r.short] if r.short else [])
+    kw: dict[str, Any] = {"dest": key, "help": r.help or None}
+    if accepted_types(key) == (bool,):
+        turned_off = r.flag.startswith("--no-")
+        kw.update(action="store_false" if turned_off else argparse.BooleanOptionalAction, default=None)
+        if turned_off:
+            kw["help"] = f"turn {key} off: {r.help}"
+    else:
+        kw.update(type=_value_type(key), choices=r.choices or None)
+        if r.const is not None:
+            kw.update(nargs="?", const=r.const)
+        if kw["type"] is _int_or_auto:
+            kw["metavar"] = "N|auto"
+        elif kw["type"] is _servers:
+            kw["metavar"] = "HOST:PORT[,...]"
+    p.add_argument(*names, **kw)
+
+
+def setting_args(p: argparse.ArgumentParser, chat: bool = False) -> None:
+    """The settings' options: those of every command, or (`chat`) the chat's own."""
+    for f in settings():
+        r = f.metadata["rule"]
+        if r.flag and r.chat_only == chat:
+            _add(p, f.name, r)
+
+
 def profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", "-p", help="profile name or YAML path (default: cpu)")
-    p.add_argument("--model", "-m", help="GGUF path, built-in (demo, gemma-270m) or a name from 'localchat models'")
-    p.add_argument("--ctx", type=int, dest="n_ctx", help="context size in tokens")
-    p.add_argument("--gpu-layers", type=int, dest="n_gpu_layers", help="layers on the GPU (-1: all)")
-    p.add_argument("--kv-type", choices=("f16", "q8_0", "q4_0"), help="KV cache type for K and V")
-    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--threads", type=_threads, dest="n_threads", metavar="N|auto",
-                   help="CPU threads for tokens and prompt batches, or auto (default: the physical cores "
-                        "other work leaves free)")
-    p.add_argument("--rpc", type=_servers, dest="rpc_servers", metavar="HOST:PORT[,...]",
-                   help="llama.cpp rpc-server processes whose devices take layers (a trusted network only)")
-    p.add_argument("--rpc-public", action="store_true", default=None,
-                   help="allow RPC servers at public addresses (RPC is unauthenticated and unencrypted)")
-    p.add_argument("--draft-model", metavar="GGUF", help="a small model of the same vocabulary that drafts tokens")
-    p.add_argument("--speculate", choices=("auto", "on", "off"),
-                   help="draft from the conversation's own text and verify in batches (auto: where it pays)")
+    setting_args(p)
+    # one option for two settings: K and V share a type on CUDA (settings.Profile: type_k, type_v)
+    p.add_argument("--kv-type", choices=KV_TYPES, help="KV cache type for K and V")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging, llama.cpp's log included")
 
 
@@ -50,8 +76,6 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         o["n_threads_batch"] = o["n_threads"]
     if getattr(args, "kv_type", None):
         o["type_k"] = o["type_v"] = args.kv_type
-    if getattr(args, "no_autosave", False):
-        o["autosave"] = False
     return o
 
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from localchat import models, profiles, rpc
-from localchat import plan as planmod
-from localchat.chat import ChatSession, ChatSettings
+from localchat.chat.turns import Chat, ChatSettings
+from localchat.chatformat.templates import ChatFormat, template_problem
 from localchat.engine import (
     Device,
     DraftModel,
@@ -25,12 +25,13 @@ from localchat.engine import (
     rpc_supported,
 )
 from localchat.errors import ModelError, ProfileError, TemplateFailure
-from localchat.models import ModelInfo
-from localchat.placement import Card
-from localchat.plan import MemoryPlan
-from localchat.profiles import Profile, thread_count
-from localchat.templates import ChatFormat, template_problem
-from localchat.threads import ThreadFit
+from localchat.machine import models, profiles, rpc
+from localchat.machine import plan as planmod
+from localchat.machine.models import ModelInfo
+from localchat.machine.placement import Card
+from localchat.machine.plan import MemoryPlan
+from localchat.machine.threads import ThreadFit
+from localchat.settings import SETTING_KEYS, Profile, thread_count
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class Runtime:
     model: ModelInfo
     plan: MemoryPlan
     engine: Engine
-    chat: ChatSession
+    chat: Chat
     gpu_warning: str = ""
     threads: ThreadFit | None = None  # the profile's thread settings and, for auto, the load readings
     threads_why: str = ""  # how auto chose the threads in use
@@ -68,6 +69,12 @@ class Runtime:
     def kv_bytes_per_token(self) -> int:
         """Bytes one token takes in this context's KV cache (all layers, its K and V types)."""
         return self.model.kv_bytes_per_token(self.engine.config.type_k, self.engine.config.type_v)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         if self.draft is not None:
@@ -160,30 +167,29 @@ def plan_for(profile: Profile, info: ModelInfo, report: Report | None = None) ->
 def engine_config(profile: Profile, info: ModelInfo, n_ctx: int, verbose: bool, cores: int = 0,
                   plan: MemoryPlan | None = None) -> EngineConfig:
     """`cores`: the thread count auto starts from (0: every logical CPU); `plan`: the devices it placed
-    the model on (without one, llama.cpp's own choice)."""
+    the model on (without one, llama.cpp's own choice). The settings of the same name are the profile's."""
     cards = [d.name for d in plan.devices] if plan and plan.gpu else []
     split = plan.shares if plan and len(cards) > 1 else []
     main = cards.index(f"CUDA{profile.main_gpu}") if profile.split_mode == "row" and len(cards) > 1 else 0
     return EngineConfig(
+        **_same_named(profile, EngineConfig, skip=("n_ctx", "n_threads", "n_threads_batch", "split_mode",
+                                                   "tensor_split", "main_gpu")),
         devices=tuple(cards), split_mode=profile.split_mode if len(cards) > 1 else "none",
-        tensor_split=tuple(split), main_gpu=main,
-        model_path=str(info.path), n_ctx=n_ctx, n_gpu_layers=profile.n_gpu_layers,
+        tensor_split=tuple(split), main_gpu=main, model_path=str(info.path), n_ctx=n_ctx,
         n_threads=thread_count(profile.n_threads) or cores,
-        n_threads_batch=thread_count(profile.n_threads_batch) or cores, flash_attn=profile.flash_attn,
-        type_k=profile.type_k, type_v=profile.type_v, n_batch=profile.n_batch, n_ubatch=profile.n_ubatch,
-        swa_full=profile.swa_full, verbose=verbose)
+        n_threads_batch=thread_count(profile.n_threads_batch) or cores, verbose=verbose)
+
+
+def _same_named(profile: Profile, target: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The profile's settings that `target` (a dataclass) has a field of the same name for."""
+    return {f.name: getattr(profile, f.name) for f in dataclasses.fields(target)
+            if f.name in SETTING_KEYS and f.name not in skip}
 
 
 def chat_settings(profile: Profile) -> ChatSettings:
-    seed = profile.seed if profile.seed >= 0 else 0xFFFFFFFF
-    sampling = SamplingConfig(temperature=profile.temperature, top_k=profile.top_k, top_p=profile.top_p,
-                              min_p=profile.min_p, repeat_penalty=profile.repeat_penalty,
-                              repeat_last_n=profile.repeat_last_n, dry_multiplier=profile.dry_multiplier,
-                              dry_base=profile.dry_base, dry_allowed_length=profile.dry_allowed_length,
-                              dry_penalty_last_n=profile.dry_penalty_last_n, seed=seed)
-    return ChatSettings(system=profile.system, max_tokens=profile.max_tokens, sampling=sampling,
-                        overflow=profile.overflow, history=profile.history, read_ahead=profile.read_ahead,
-                        reasoning_budget=profile.reasoning_budget, speculate=profile.speculate)
+    seed = profile.seed if profile.seed >= 0 else 0xFFFFFFFF  # llama.cpp's "random seed"
+    sampling = SamplingConfig(**_same_named(profile, SamplingConfig, skip=("seed",)), seed=seed)
+    return ChatSettings(**_same_named(profile, ChatSettings), sampling=sampling)
 
 
 def chat_format(engine: Engine) -> ChatFormat:
@@ -249,7 +255,7 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
         said = fmt.set_thinking(profile.think)
         if not said.startswith("thinking:"):
             report(f"localchat: think: {profile.think}: {said}")
-    chat = ChatSession(engine, fmt, chat_settings(profile))
+    chat = Chat(engine, fmt, chat_settings(profile))
     try:
         draft = open_draft(profile, plan, engine, report) if profile.draft_model else None
     except (ModelError, ProfileError):

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from localchat import runtime
-from localchat.benchdecode import PASSAGE, WORKLOADS, fresh_reply
+from localchat.bench.decode import PASSAGE, WORKLOADS, fresh_reply
 from localchat.engine.speculative import DRAFT_MAX, Speculation
 from localchat.engine.stepcost import StepCost
 

@@ -11,11 +11,11 @@ import json
 import sys
 import time
 
-from localchat import plan as planmod
-from localchat import profiles
-from localchat.chat import ChatSession, ChatSettings
+from localchat.chat.turns import Chat, ChatSettings
 from localchat.engine import Engine, EngineConfig, SamplingConfig, gpu_offload_supported
-from localchat.models import model_info
+from localchat.machine import plan as planmod
+from localchat.machine import profiles
+from localchat.machine.models import model_info
 from localchat.runtime import chat_format
 
 
@@ -30,7 +30,7 @@ def check(path: str, kv: str) -> dict:
     gpu_kv = sum(v for k, v in e.kv_buffers.items() if k.startswith("CUDA"))
     out["kv_on_gpu"] = gpu_kv > 0
     out["plan_kv_error"] = round(abs(plan.kv_bytes - gpu_kv) / gpu_kv, 4) if gpu_kv else None
-    chat = ChatSession(e, chat_format(e), ChatSettings(max_tokens=32, sampling=SamplingConfig(temperature=0)))
+    chat = Chat(e, chat_format(e), ChatSettings(max_tokens=32, sampling=SamplingConfig(temperature=0)))
     stats = [chat.turn(q) for q in ("hello " * 300, "more words " * 50, "and again " * 50)]
     out["turns"] = [(s.prompt_tokens, s.cached_tokens, s.recomputed_tokens, s.new_tokens, round(s.ttft_s, 4),
                      round(s.decode_tps, 1)) for s in stats]
@@ -43,7 +43,7 @@ def check(path: str, kv: str) -> dict:
     t0 = time.perf_counter()
     ok = e2.load_state(state, tokens)
     out["restore_ok"], out["restore_s"] = ok, round(time.perf_counter() - t0, 4)
-    chat2 = ChatSession(e2, chat_format(e2), ChatSettings(max_tokens=32, sampling=SamplingConfig(temperature=0)),
+    chat2 = Chat(e2, chat_format(e2), ChatSettings(max_tokens=32, sampling=SamplingConfig(temperature=0)),
                         conversation=chat.conv)
     s = chat2.turn("after restore " * 20)
     out["after_restore"] = (s.prompt_tokens, s.cached_tokens, s.recomputed_tokens, s.new_tokens)

@@ -68,9 +68,9 @@ class Sampler:
 
 # ---------------------------------------------------------------- calibrate (in a child per config)
 def _calibrate_one(model: str, profile_name: str, kv: str) -> dict:
-    from localchat import plan as planmod
     from localchat import runtime
     from localchat.engine import Engine, devices
+    from localchat.machine import plan as planmod
     profile = runtime.load_profile(profile_name, {"model": model, "type_k": kv, "type_v": kv})
     info = runtime.resolve_model(profile, print)
     free = lambda: next(d.free for d in devices() if d.kind == "gpu")  # noqa: E731

@@ -31,7 +31,7 @@ LOCALCHAT_HOME="$WORK/home" "$PY" - "$WORK" "$OUT" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
 from localchat import paths
-from localchat.transcript import TranscriptFile
+from localchat.chat.transcript import TranscriptFile
 work, out = Path(sys.argv[1]), sys.argv[2]
 def turns(name):
     return [json.loads(line) for line in (work / f"{name}.jsonl").read_text().splitlines()]

@@ -10,8 +10,8 @@ import argparse
 import random
 import sys
 
-from localchat import models
 from localchat.engine import Engine, EngineConfig, Generation, SamplingConfig
+from localchat.machine import models
 
 TEXT = " ".join(f"In year {1900 + i}, the baker of village {i % 17} sold {i * 37 % 101} loaves of bread "
                 f"and told a story about the oven number {i % 5}." for i in range(120))

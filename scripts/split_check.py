@@ -17,7 +17,7 @@ import sys
 import time
 
 from localchat import runtime
-from localchat.benchload import greedy_reply
+from localchat.bench.load import greedy_reply
 from localchat.engine import devices
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from localchat import statefile  # noqa: E402
-from localchat.benchdoc import document  # noqa: E402
+from localchat.bench.document import document  # noqa: E402
 from localchat.engine import Engine, EngineConfig  # noqa: E402
 from localchat.fsutil import atomic_write  # noqa: E402
+from localchat.session import statefile  # noqa: E402
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import time
 
 import llama_cpp as lc
 
-from localchat.benchload import greedy_reply
+from localchat.bench.load import greedy_reply
 from localchat.engine import Engine, EngineConfig, Speculation
 from localchat.engine.backend import SEQ
 from localchat.engine.speculative import DRAFT_MAX

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from localchat.fetch import ensure_builtin
+from localchat.machine.fetch import ensure_builtin
 
 THREADS = os.cpu_count() or 2
 
@@ -64,14 +64,14 @@ def gemma_engine(gemma_path):
 
 
 def greedy_chat(engine, system=None, template=None, max_tokens=16, overflow="auto", sampling=None):
-    """A ChatSession with greedy sampling (or `sampling`); the engine's KV is cleared first."""
-    from localchat.chat import ChatSession, ChatSettings
+    """A Chat with greedy sampling (or `sampling`); the engine's KV is cleared first."""
+    from localchat.chat.turns import Chat, ChatSettings
+    from localchat.chatformat.templates import ChatFormat
     from localchat.engine import SamplingConfig
     from localchat.runtime import chat_format
-    from localchat.templates import ChatFormat
     engine.clear()
     fmt = ChatFormat(template) if template else chat_format(engine)
-    return ChatSession(engine, fmt, ChatSettings(system=system, max_tokens=max_tokens,
+    return Chat(engine, fmt, ChatSettings(system=system, max_tokens=max_tokens,
                                                  sampling=sampling or SamplingConfig(temperature=0),
                                                  overflow=overflow))
 

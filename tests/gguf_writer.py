@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from localchat.gguf_file import GGML_BLOCKS
+from localchat.machine.gguf_file import GGML_BLOCKS
 
 Q4_K, F32, Q6_K = 12, 0, 14
 

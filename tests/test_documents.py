@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from localchat import attaching, prefixcache, runtime, status
-from localchat.documents import MAX_FILES, attach
+from localchat import runtime
+from localchat.chat import attaching
+from localchat.chat.documents import MAX_FILES, attach
 from localchat.errors import DocumentError
-from localchat.sessionctl import SessionControl
-from localchat.store import SessionStore
+from localchat.session import prefixcache
+from localchat.session.lifecycle import Session
+from localchat.session.sessiondir import SessionDir
+from localchat.ui import status
 from tests.conftest import run_cli
 
 QUESTION = "Who is the tenant, and what is the rent?"
@@ -37,10 +40,10 @@ def one_chat(session: str, files: list[str], question: str = QUESTION, store: bo
     profile = runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 16, "n_ctx": 2048, **settings})
     rt = runtime.open_runtime(profile, lambda t: None)
     try:
-        st_store = SessionStore(session) if store else None
+        st_store = SessionDir(session) if store else None
         if st_store:
             st_store.lock()
-        ctl = SessionControl(rt, st_store, lambda t: None, autosave=True)
+        ctl = Session(rt, st_store, lambda t: None, autosave=True)
         notes = attaching.add(rt.chat, files)
         st = ctl.turn(question)
         ctl.after_turn(st)

@@ -5,8 +5,8 @@ import struct
 import pytest
 
 from localchat.errors import ModelError
-from localchat.gguf_file import read_gguf
-from localchat.models import model_info
+from localchat.machine.gguf_file import read_gguf
+from localchat.machine.models import model_info
 from tests.gguf_writer import llama_shape, write_gguf
 
 

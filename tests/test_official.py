@@ -14,13 +14,13 @@ import json
 
 import pytest
 
-from localchat import reasoning
-from localchat.benchidle import forced_reply as forced
-from localchat.chat import ChatSession, ChatSettings
-from localchat.conversation import Conversation
+from localchat.bench.idle import forced_reply as forced
+from localchat.chat.conversation import Conversation
+from localchat.chat.official import template_messages
+from localchat.chat.turns import Chat, ChatSettings
+from localchat.chatformat import reasoning
+from localchat.chatformat.templates import ChatFormat
 from localchat.engine import SamplingConfig
-from localchat.official import template_messages
-from localchat.templates import ChatFormat
 from tests.conftest import run_cli
 from tests.ggufedit import edit_gguf
 from tests.official_templates import TEMPLATES
@@ -46,14 +46,14 @@ def kv_text(engine, tokens) -> str:
     return b"".join(engine.piece(t, special=True) for t in tokens).decode("utf-8", "replace")
 
 
-def chat_with(engine, source: str, system: str | None, history: str = "official") -> ChatSession:
+def chat_with(engine, source: str, system: str | None, history: str = "official") -> Chat:
     engine.clear()
     fmt = ChatFormat(source, engine.special_text("bos"), engine.special_text("eos"))
-    return ChatSession(engine, fmt, ChatSettings(system=system, max_tokens=8, history=history,
+    return Chat(engine, fmt, ChatSettings(system=system, max_tokens=8, history=history,
                                                  sampling=SamplingConfig(temperature=0)))
 
 
-def official_prompt(chat: ChatSession, question: str) -> str:
+def official_prompt(chat: Chat, question: str) -> str:
     """The template's rendering of the conversation before the last reply, its last message `question`."""
     history = [m for m in chat.conv.messages if m.in_window][:-2]
     messages = template_messages(chat.fmt, chat.engine, history) + [{"role": "user", "content": question}]
@@ -76,7 +76,7 @@ def test_every_prompt_is_the_official_rendering(demo_engine, official_dir, name)
             chat.warm_next_head()
         if style and "A short answer will do" not in official_prompt(chat, question):
             # the template drops earlier thoughts: they left the KV between turns, and that work was counted
-            assert sum(h.extra["canonicalized_tokens"] for h in chat.history) > 0
+            assert sum(h.extra["canonicalized_tokens"] for h in chat.turn_stats) > 0
 
 
 def test_as_sampled_history_keeps_the_thoughts_the_template_drops(demo_engine, official_dir):
@@ -100,7 +100,7 @@ def test_the_system_prompt_moves_to_the_last_message_and_is_never_repeated(demo_
         chat.turn(question)
         assert kv_text(demo_engine, chat.conv.window_tokens()).count(SYSTEM) == 1
         chat.warm_next_head()
-    assert all(h.extra["canonicalized_tokens"] > 0 for h in chat.history[1:])
+    assert all(h.extra["canonicalized_tokens"] > 0 for h in chat.turn_stats[1:])
 
 
 def test_a_template_without_a_system_role_gets_it_in_the_first_message(demo_engine, official_dir):

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from localchat import plan as planmod
-from localchat import profiles
 from localchat.errors import ProfileError
-from localchat.models import ModelInfo, model_info
+from localchat.machine import plan as planmod
+from localchat.machine import profiles
+from localchat.machine.models import ModelInfo, model_info
 from tests.conftest import make_engine
 from tests.gguf_writer import llama_shape, write_gguf
 

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
-from localchat import profiles
+from localchat.cli import chat_parser
 from localchat.errors import ProfileError
+from localchat.machine import profiles
+from localchat.machine.profiles import with_overrides
+from localchat.settings import SETTING_KEYS, rule
+from tests.conftest import run_cli
 
 SHIPPED = ["cpu", "rtx3060", "rtx4070", "rtx4060", "rtx3070", "h200"]
 
@@ -123,3 +131,21 @@ def test_a_profile_context_above_the_trained_one_is_capped_and_a_command_line_on
     assert "sets n_ctx 32768, above the trained context" in r.stderr and "using 8192" in r.stderr
     r = run_cli(["--ctx", "16384", "--no-session"], "Hello\n", env)
     assert r.returncode == 2 and "--ctx 16384 is above the trained context" in r.stderr
+
+
+def test_readme_lists_exactly_the_settings_table_and_the_options_come_from_it():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("<!-- keys: localchat profiles --keys --markdown -->\n")[1].split("<!-- /keys -->")[0]
+    assert block == run_cli(["profiles", "--keys", "--markdown"]).stdout
+    assert re.findall(r"^\| `(\w+)` \|", block, re.M) == list(SETTING_KEYS)
+    flags = {o for a in chat_parser()._actions for o in a.option_strings}
+    assert {rule(k).flag for k in SETTING_KEYS if rule(k).flag} <= flags
+    keys = run_cli(["profiles", "--keys", "--json"]).stdout
+    assert [r["key"] for r in json.loads(keys)] == list(SETTING_KEYS)
+
+
+def test_an_option_out_of_range_names_the_option_and_what_it_takes():
+    with pytest.raises(ProfileError, match=r"--ctx: 12 is out of range; it must be 'auto' or a number of tokens"):
+        with_overrides(profiles.load("cpu"), n_ctx=12)
+    with pytest.raises(ProfileError, match=r"--temperature: 9\.0 is out of range; it must be 0 \(greedy\) to 5"):
+        with_overrides(profiles.load("cpu"), temperature=9.0)

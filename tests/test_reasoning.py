@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from localchat import thinking, transcript
+from localchat.chat import transcript
+from localchat.chatformat import thinking
 from tests.conftest import run_cli
 from tests.ggufedit import edit_gguf
 from tests.test_official import chat_with, forced_reply, kv_text

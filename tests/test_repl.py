@@ -11,11 +11,12 @@ import pytest
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from localchat import runtime, status
-from localchat.benchidle import forced_reply
-from localchat.repl import Repl
-from localchat.sessionctl import SessionControl
-from localchat.store import SessionStore
+from localchat import runtime
+from localchat.bench.idle import forced_reply
+from localchat.session.lifecycle import Session
+from localchat.session.sessiondir import SessionDir
+from localchat.ui import status
+from localchat.ui.repl import Repl
 
 ENTER, CTRL_C, CTRL_D, ALT_ENTER = "\r", "\x03", "\x04", "\x1b\r"
 
@@ -25,9 +26,9 @@ class Harness:
         profile = runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": max_tokens, "n_ctx": 2048,
                                                "model": model, **settings})
         self.rt = runtime.open_runtime(profile, lambda t: None)
-        store = SessionStore(session)
+        store = SessionDir(session)
         store.lock()
-        self.ctl = SessionControl(self.rt, store, lambda t: None, autosave=True, background=True)
+        self.ctl = Session(self.rt, store, lambda t: None, autosave=True, background=True)
         self.stats: list[dict] = []
         self.printed: list[str] = []
         self._pipe = create_pipe_input()
@@ -44,6 +45,12 @@ class Harness:
 
     def type(self, text: str) -> None:
         self.inp.send_text(text)
+
+    def start_story(self, tokens: int) -> None:
+        """Ask for a long reply and wait until it streams."""
+        self.wait(lambda: self.repl.session.app.is_running)
+        self.type("Write a long story about a dragon." + ENTER)
+        self.wait(lambda: self.repl.bar.live_tokens > tokens)
 
     def wait(self, pred, timeout=60.0) -> None:
         deadline = time.time() + timeout
@@ -166,9 +173,7 @@ def test_keys_ctrl_c_clears_the_line_and_alt_enter_adds_a_line(ui):
 def test_ctrl_c_mid_reply_keeps_the_partial_reply_and_the_kv(home, demo_path):
     h = Harness(home, max_tokens=400, session="cut")
     try:
-        h.wait(lambda: h.repl.session.app.is_running)
-        h.type("Write a long story about a dragon." + ENTER)
-        h.wait(lambda: h.repl.bar.live_tokens > 5)
+        h.start_story(5)
         h.type(CTRL_C)
         # the turn's stats are written before the UI thread prints the cut notice
         h.wait(lambda: len(h.stats) == 1 and "[reply cut: cancelled]" in h.printed)
@@ -305,9 +310,7 @@ def test_read_ahead_on_a_sliding_window_model_is_exact(home, gemma_path):
 def test_enter_during_a_reply_queues_the_line_and_it_runs_after(home, demo_path):
     h = Harness(home, max_tokens=200, session="queue")
     try:
-        h.wait(lambda: h.repl.session.app.is_running)
-        h.type("Write a long story about a dragon." + ENTER)
-        h.wait(lambda: h.repl.bar.live_tokens > 3)
+        h.start_story(3)
         h.type("/stats" + ENTER)  # a command, then a message: both queued, in order
         h.type("And a short one about a cat?" + ENTER)
         h.wait(lambda: len(h.stats) == 2, timeout=120)

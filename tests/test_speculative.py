@@ -9,7 +9,7 @@ from collections import Counter
 
 import llama_cpp as lc
 
-from localchat.chat import ChatSession, ChatSettings
+from localchat.chat.turns import Chat, ChatSettings
 from localchat.engine import Generation, SamplingConfig
 from localchat.engine.backend import SEQ
 from localchat.engine.sampling import drawer, is_greedy
@@ -24,9 +24,9 @@ QUESTIONS = ["Here is a note: " + NOTE * 2 + "\nRepeat the note word for word.",
              "Say it once more."]
 
 
-def _chat(engine, speculate: str, temperature: float = 0.0, seed: int = 7, max_tokens: int = 96) -> ChatSession:
+def _chat(engine, speculate: str, temperature: float = 0.0, seed: int = 7, max_tokens: int = 96) -> Chat:
     engine.clear()
-    return ChatSession(engine, chat_format(engine), ChatSettings(
+    return Chat(engine, chat_format(engine), ChatSettings(
         max_tokens=max_tokens, speculate=speculate, sampling=SamplingConfig(temperature=temperature, seed=seed)))
 
 
@@ -328,9 +328,9 @@ def test_a_draft_model_that_does_not_fit_beside_the_plan_is_refused_before_it_lo
 
     import pytest
 
-    from localchat import models, plan
     from localchat.errors import ProfileError
-    from localchat.profiles import Profile
+    from localchat.machine import models, plan
+    from localchat.machine.profiles import Profile
     from localchat.runtime import open_draft
     info = models.model_info(demo_path)
     card = Profile(name="tiny-card", source="tiny-card.yaml", vram_gb=1.3, n_gpu_layers=-1, n_ctx=8192,

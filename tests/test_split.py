@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from localchat import plan as planmod
-from localchat import planview, profiles, rpc, runtime, status
+from localchat import runtime
 from localchat.errors import ProfileError
-from localchat.models import ModelInfo
-from localchat.placement import Card, layer_devices
+from localchat.machine import plan as planmod
+from localchat.machine import planview, profiles, rpc
+from localchat.machine.models import ModelInfo
+from localchat.machine.placement import Card, layer_devices
+from localchat.ui import status
 from tests.gguf_writer import llama_shape, write_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +68,7 @@ def test_layers_go_to_devices_as_llama_cpp_places_them():
 
 @pytest.fixture
 def llama3_8b(tmp_path) -> ModelInfo:
-    from localchat.models import model_info
+    from localchat.machine.models import model_info
     shape = llama_shape(n_layer=32, n_embd=4096, n_head=32, n_kv=8, n_ff=14336, n_vocab=128256, n_ctx_train=131072)
     return model_info(write_gguf(tmp_path / "llama3-8b-q4km.gguf", **shape))
 
@@ -226,7 +228,7 @@ def test_a_profile_for_more_gpus_than_the_machine_has_stops_before_loading(monke
 def test_rpc_devices_compute_covers_what_cpu_rpc_servers_allocated(demo_path):
     """Two CPU ggml-rpc-servers of llama-cpp-python 0.3.36 holding the demo model (scripts/rpc_e2e.sh's setup):
     llama.cpp's compute buffers per server at n_ctx 1024 and 4096, recorded from its log."""
-    from localchat.models import model_info
+    from localchat.machine.models import model_info
     allocated = {1024: (21_925_724, 110_803_026), 4096: (34_508_636, 123_385_938)}
     for n_ctx, (first, second) in allocated.items():
         p = profiles.with_overrides(profiles.load("cpu"), n_gpu_layers=-1, rpc_servers=("127.0.0.1:1", "127.0.0.1:2"))

@@ -1,6 +1,6 @@
 """Chat-template deltas: exact for ChatML, for templates that rewrite earlier turns, and the fallback."""
 
-from localchat.templates import FALLBACK_STOP, ChatFormat
+from localchat.chatformat.templates import FALLBACK_STOP, ChatFormat
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

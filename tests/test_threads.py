@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from localchat import threads
 from localchat.errors import ProfileError
-from localchat.options import _threads
-from localchat.profiles import thread_count, with_overrides
+from localchat.machine import threads
+from localchat.machine.profiles import thread_count, with_overrides
+from localchat.options import _int_or_auto as _threads
 from localchat.runtime import load_profile
 
 

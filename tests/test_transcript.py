@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from localchat import transcript
-from localchat.conversation import Conversation, Message
-from localchat.transcript import TranscriptFile
+from localchat.chat import transcript
+from localchat.chat.conversation import Conversation, Message
+from localchat.chat.transcript import TranscriptFile
 from tests.conftest import run_cli
 
 

@@ -1,11 +1,14 @@
 """The engine: the only package that imports llama_cpp (besides the benchmark's raw reference).
 
-`backend` holds llama.cpp's process-wide side, `types` the engine's plain data, `context`
-the Engine itself: one llama.cpp context holding a token-canonical KV.
+`backend`: llama.cpp's process-wide side (init, log, build features, devices); `types`: the engine's
+plain data; `vocab`: tokens to text and back, metadata; `sampling`: llama.cpp's sampler chains;
+`stepcost`: what a step and a verification cost, measured; `speculative`: drafts from the context's
+history, verified in batches; `draftmodel`: a small model of the same vocabulary that drafts;
+`context`: the Engine itself, one llama.cpp context holding a token-canonical KV.
 """
 
 from localchat.engine.backend import (
-    KV_TYPES,
+    GGML_TYPES,
     cpu_has_amx,
     devices,
     gpu_offload_supported,
@@ -20,7 +23,7 @@ from localchat.engine.sampling import prime as prime_sampler
 from localchat.engine.speculative import Speculation
 from localchat.engine.types import Cancelled, Device, EngineConfig, Generation, PrefillResult, SamplingConfig
 
-__all__ = ["KV_TYPES", "Cancelled", "Device", "DraftModel", "Engine", "EngineConfig", "Generation", "PrefillResult",
+__all__ = ["GGML_TYPES", "Cancelled", "Device", "DraftModel", "Engine", "EngineConfig", "Generation", "PrefillResult",
            "SamplingConfig", "Speculation", "check_vocab", "cpu_has_amx", "devices", "gpu_offload_supported",
            "llama_version", "prime_sampler", "register_rpc", "row_split_supported",
            "rpc_supported"]

@@ -14,9 +14,10 @@ from localchat.engine.types import Device, EngineConfig
 log = logging.getLogger("localchat.engine")
 
 SEQ = 0
-KV_TYPES = {"f32": lc.GGML_TYPE_F32, "f16": lc.GGML_TYPE_F16, "bf16": 30,
-            "q8_0": lc.GGML_TYPE_Q8_0, "q4_0": lc.GGML_TYPE_Q4_0, "q4_1": lc.GGML_TYPE_Q4_1,
-            "q5_0": lc.GGML_TYPE_Q5_0, "q5_1": lc.GGML_TYPE_Q5_1, "iq4_nl": lc.GGML_TYPE_IQ4_NL}
+# a KV cache type by name -> ggml's number for it
+GGML_TYPES = {"f32": lc.GGML_TYPE_F32, "f16": lc.GGML_TYPE_F16, "bf16": 30,
+              "q8_0": lc.GGML_TYPE_Q8_0, "q4_0": lc.GGML_TYPE_Q4_0, "q4_1": lc.GGML_TYPE_Q4_1,
+              "q5_0": lc.GGML_TYPE_Q5_0, "q5_1": lc.GGML_TYPE_Q5_1, "iq4_nl": lc.GGML_TYPE_IQ4_NL}
 
 _LOG_CALLBACK = None  # keeps the ctypes callback alive for the process
 
@@ -191,8 +192,8 @@ def context_params(config: EngineConfig) -> lc.llama_context_params:
     params.n_threads, params.n_threads_batch = config.threads(), config.batch_threads()
     params.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
                               else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-    params.type_k = KV_TYPES[config.type_k]
-    params.type_v = KV_TYPES[config.type_v]
+    params.type_k = GGML_TYPES[config.type_k]
+    params.type_v = GGML_TYPES[config.type_v]
     params.swa_full = config.swa_full
     params.no_perf = False
     return params

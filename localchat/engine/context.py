@@ -228,26 +228,37 @@ class Engine(VocabText):
                     return
                 if evaluated or started:
                     continue
-                forced = inject() if inject else []  # after the text is handed out: it follows what was shown
-                if room - len(forced) < 0:
-                    gen.stop_reason = "context_full"
-                    return
-                self._decode([tok, *forced], self.n_kv, want_logits=True)
-                self.n_kv += 1 + len(forced)
                 step = (top, 1, 0)
-                if forced:
-                    self.tokens.extend(forced)
-                    gen.tokens.extend(forced)
-                    text = decoder.decode(b"".join(self.piece(t) for t in forced))
-                    if text:
-                        yield text
+                if (yield from self._evaluate_one(tok, inject, room, gen, decoder)):
+                    return
             gen.stop_reason = gen.stop_reason or "max_tokens"
         finally:
-            if started:
-                self.synchronize()  # the evaluation begun for the last token ends before anyone touches the KV
-            if self.n_kv > len(self.tokens):  # stopped with kept draft tokens not handed out: not in the reply
-                lc.llama_memory_seq_rm(self.mem, SEQ, len(self.tokens), -1)
-                self.n_kv = len(self.tokens)
+            self._end_reply(started)
+
+    def _evaluate_one(self, tok: int, inject: Callable[[], list[int]] | None, room: int, gen: Generation,
+                      decoder: codecs.IncrementalDecoder) -> Generator[str, None, bool]:
+        """Evaluate the token just handed out and what `inject` says must follow it (its text yielded);
+        True when the context has no room for them."""
+        forced = inject() if inject else []  # after the text is handed out: it follows what was shown
+        if room - len(forced) < 0:
+            gen.stop_reason = "context_full"
+            return True
+        self._decode([tok, *forced], self.n_kv, want_logits=True)
+        self.n_kv += 1 + len(forced)
+        if forced:
+            self.tokens.extend(forced)
+            gen.tokens.extend(forced)
+            text = decoder.decode(b"".join(self.piece(t) for t in forced))
+            if text:
+                yield text
+        return False
+
+    def _end_reply(self, started: bool) -> None:
+        if started:
+            self.synchronize()  # the evaluation begun for the last token ends before anyone touches the KV
+        if self.n_kv > len(self.tokens):  # stopped with kept draft tokens not handed out: not in the reply
+            lc.llama_memory_seq_rm(self.mem, SEQ, len(self.tokens), -1)
+            self.n_kv = len(self.tokens)
 
     def _step(self, tok: int, draw: Callable[[int], int], spec: Speculation | None, room: int,
               top: float) -> tuple[list[int], tuple[float, int, int]]:

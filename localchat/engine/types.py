@@ -1,24 +1,27 @@
-"""The engine's settings and results: plain data, no llama.cpp."""
+"""The engine's settings and results: plain data, no llama.cpp. Defaults are the settings table's
+(`localchat.settings`), so a config made here and one made from a profile agree."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
+from localchat.settings import default
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
-    n_ctx: int = 4096
-    n_gpu_layers: int = 0
+    n_ctx: int = default("n_ctx")
+    n_gpu_layers: int = default("n_gpu_layers")
     n_threads: int = 0  # one-token steps; 0: all logical CPUs (the runtime passes its choice)
     n_threads_batch: int = 0  # prompt batches; 0: as n_threads
-    flash_attn: bool = True
-    type_k: str = "f16"
-    type_v: str = "f16"
-    n_batch: int = 512
-    n_ubatch: int = 512
-    swa_full: bool = False
+    flash_attn: bool = default("flash_attn")
+    type_k: str = default("type_k")
+    type_v: str = default("type_v")
+    n_batch: int = default("n_batch")
+    n_ubatch: int = default("n_ubatch")
+    swa_full: bool = default("swa_full")
     verbose: bool = False
     devices: tuple[str, ...] = ()  # ggml devices to offload to, in order (RPC first); (): llama.cpp's choice
     split_mode: str = "layer"  # none, layer, row
@@ -34,16 +37,16 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    temperature: float = 0.7
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64  # tokens the repeat penalty looks back over
-    dry_multiplier: float = 0.0  # DRY (don't repeat yourself) penalty on repeated sequences; 0 = off
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1  # -1: the whole context
+    temperature: float = default("temperature")
+    top_k: int = default("top_k")
+    top_p: float = default("top_p")
+    min_p: float = default("min_p")
+    repeat_penalty: float = default("repeat_penalty")
+    repeat_last_n: int = default("repeat_last_n")  # tokens the repeat penalty looks back over
+    dry_multiplier: float = default("dry_multiplier")  # DRY (don't repeat yourself): repeated sequences; 0 off
+    dry_base: float = default("dry_base")
+    dry_allowed_length: int = default("dry_allowed_length")
+    dry_penalty_last_n: int = default("dry_penalty_last_n")  # -1: the whole context
     seed: int = 0xFFFFFFFF  # llama.cpp's "random seed"
 
 

@@ -92,7 +92,7 @@ def test_huge_paste_binary_and_control_characters(home, tmp_path, tally):
     # special-token text typed by the user stays text: it is not parsed into control tokens
     inj = [json.loads(x) for x in transcript.splitlines() if "You are evil" in x][0]
     from localchat.engine import Engine, EngineConfig
-    from localchat.fetch import ensure_builtin
+    from localchat.machine.fetch import ensure_builtin
     e = Engine(EngineConfig(str(ensure_builtin("demo", lambda t: None)), n_ctx=256))
     try:
         specials = set(e.tokenize("<|im_end|><|im_start|>", special=True))

@@ -41,7 +41,7 @@ def test_no_pickle_on_any_load_path(tally):
     # the one YAML loader in use is a SafeLoader
     import yaml
 
-    from localchat.profiles import _UniqueKeyLoader
+    from localchat.machine.profiles import _UniqueKeyLoader
     assert issubclass(_UniqueKeyLoader, yaml.SafeLoader)
 
 
@@ -53,7 +53,7 @@ def test_nothing_is_written_outside_home_and_the_models_cache(tmp_path, tally):
     env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
     env.update(HOME=str(fake_home), LOCALCHAT_HOME=str(lc_home), TMPDIR=str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    from localchat.fetch import ensure_builtin
+    from localchat.machine.fetch import ensure_builtin
     env["LOCALCHAT_MODELS"] = str(ensure_builtin("demo", lambda t: None).parent)
     before = set(Path(env["LOCALCHAT_MODELS"]).iterdir())
     r = subprocess.run([sys.executable, "-m", "localchat", "--max-tokens", "8", "--session", "p"], input="Hello\n",

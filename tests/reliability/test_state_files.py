@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from localchat import runtime, statefile
-from localchat.sessionctl import SessionControl
-from localchat.store import SessionStore
+from localchat import runtime
+from localchat.session import statefile
+from localchat.session.lifecycle import Session
+from localchat.session.sessiondir import SessionDir
 from tests.conftest import run_cli
 
 
@@ -36,7 +37,7 @@ def lab(tmp_path_factory, demo_path):
     mp.undo()
 
 
-def resume(home: Path, rt, files: dict[str, bytes | None]) -> tuple[str, SessionControl]:
+def resume(home: Path, rt, files: dict[str, bytes | None]) -> tuple[str, Session]:
     """Lay the files out as session 'm' and resume it; returns what was reported."""
     d = home / "sessions" / "m"
     shutil.rmtree(d, ignore_errors=True)
@@ -48,7 +49,7 @@ def resume(home: Path, rt, files: dict[str, bytes | None]) -> tuple[str, Session
     rt.engine.clear()
     rt.chat.new()
     said: list[str] = []
-    ctl = SessionControl(rt, SessionStore("m"), said.append, autosave=False)
+    ctl = Session(rt, SessionDir("m"), said.append, autosave=False)
     ctl.resume()
     return " ".join(said), ctl
 

@@ -1,0 +1,304 @@
+"""`localchat bench`: the reference multi-turn workload, side by side in one process.
+
+Modes: `localchat` (the real engine path: template delta, stats, autosave on), `recompute`
+(every turn re-prefills the whole history), `raw` (plain llama-cpp-python prefix reuse of the
+same tokens), `resume` (the process state dropped after turn 4 and restored from disk, the
+re-prefill alternative timed too), and `server` (llama.cpp's llama-server with cache_prompt,
+TTFT taken at the client) with --peer-server. All modes replay the token sequences of the
+`localchat` run, so they do identical work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from localchat import runtime
+from localchat.bench.modes import Row, repeat_last_turn, run_localchat, run_raw, run_recompute, run_server, text_of
+from localchat.bench.peer import PeerServer, run_llama_bench
+from localchat.engine import llama_version
+from localchat.options import overrides, profile_args
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    fill = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {label:<40}")
+    sys.stderr.flush()
+
+
+def _report(text: str) -> None:
+    sys.stderr.write(text + "\n")
+
+
+def _by(rows: list[Row], mode: str) -> list[Row]:
+    return [r for r in rows if r.mode == mode and not r.repeat]
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def summarize(result: dict) -> list[str]:
+    lines = []
+    for kv, part in result["kv"].items():
+        rows = [Row(**r) for r in part["rows"]]
+        lines.append(f"\nKV {kv}: per turn (prompt tokens / recomputed / TTFT s / decode tok/s)")
+        modes = [m for m in ("recompute", "localchat", "resume", "raw", "server") if _by(rows, m)]
+        lines.append(" turn  prompt | " + " | ".join(f"{m:^27}" for m in modes))
+        turns = sorted({r.turn for r in rows})
+        for t in turns:
+            cells = []
+            for m in modes:
+                r = next((x for x in rows if x.mode == m and x.turn == t), None)
+                cells.append(f"{r.recomputed_tokens:>6} {r.ttft_s:>8.3f} {r.decode_tps:>8.1f}   " if r else " " * 27)
+            prompt = next(x.prompt_tokens for x in rows if x.turn == t)
+            lines.append(f" {t:>4} {prompt:>7} | " + " | ".join(cells))
+        for k, v in part["summary"].items():
+            lines.append(f"  {k}: {v}")
+    return lines
+
+
+def _summary(rows: list[Row], res: dict, turns: int) -> dict:
+    def last(mode: str) -> list[Row]:
+        """Every sample of the last turn: the run's own and its interleaved repeats."""
+        return [r for r in rows if r.turn == turns and (r.mode == mode or (mode == "resume" and r.mode == "localchat"))]
+
+    ours, rec, raw, srv = last("resume"), last("recompute"), last("raw"), last("server")
+    out: dict = {"last_turn_samples": len(ours)}
+    ttft = {m: _median([r.ttft_s for r in v]) for m, v in
+            (("localchat", ours), ("recompute", rec), ("raw", raw), ("server", srv)) if v}
+    out["ttft_last_turn_median_s"] = {m: round(v, 4) for m, v in ttft.items()}
+    if rec and ours:
+        out["ttft_ratio_recompute_over_localchat"] = round(ttft["recompute"] / ttft["localchat"], 2)
+    if raw and ours:
+        out["ttft_localchat_over_raw"] = round(ttft["localchat"] / ttft["raw"], 3)
+        lc_tps = [r.decode_tps for r in rows if r.mode in ("localchat", "resume") and not r.repeat]
+        raw_tps = [r.decode_tps for r in _by(rows, "raw")]
+        out["decode_localchat_over_raw"] = round(sum(lc_tps) / sum(raw_tps), 3)
+    if srv and ours:
+        out["ttft_localchat_over_server"] = round(ttft["localchat"] / ttft["server"], 3)
+    out["decode_last_turn_median_tps"] = round(_median([r.decode_tps for r in ours]), 2)
+    ours_rows = [r for r in rows if r.mode in ("localchat", "resume") and not r.repeat]
+    out["recomputed_total"] = {m: sum(r.recomputed_tokens for r in _by(rows, m))
+                               for m in ("recompute", "localchat", "resume", "raw", "server") if _by(rows, m)}
+    out["autosave_copy_s_mean"] = round(sum(r.save_s for r in ours_rows) / len(ours_rows), 4)
+    out["autosave_share_of_turn_wall"] = round(sum(r.save_s for r in ours_rows) / sum(r.wall_s for r in ours_rows), 4)
+    out["state_bytes"] = res["state_bytes"]
+    out["host_overhead_mb_with_autosave_copies"] = round(res["host_overhead_bytes"] / 1e6, 1)
+    out["resume"] = res["resume"]
+    return out
+
+
+def run_kv(args, profile, home: Path, kv: str, progress, result: dict) -> dict:
+    """Every mode for one KV type. The peers stay loaded beside localchat (a second and a third
+    copy of the model) so that the last turn's repeats can interleave them."""
+    peer_errors = []
+    with contextlib.ExitStack() as stack:
+        rt = runtime.open_runtime(profile, _report)
+        stack.callback(rt.close)
+        rt.chat.conv.system = text_of(rt.engine, args.system_tokens, "system")
+        users = [text_of(rt.engine, args.user_tokens, f"question {i}") for i in range(args.turns)]
+        res = run_localchat(rt, args, users, home, kv, progress)
+        prompts, replies = res["prompts"], res["replies"]
+        ram: dict = {}
+        rows = res["rows"] + run_recompute(rt.engine, prompts, replies, kv, progress, ram)
+        cfg = rt.engine.config
+        result.setdefault("machine", {"model": rt.model.name, "profile": profile.name, "n_ctx": rt.engine.n_ctx,
+                                      "n_gpu_layers": cfg.n_gpu_layers, "threads": cfg.threads(),
+                                      "flash_attn": cfg.flash_attn, "cpu_count": os.cpu_count()})
+        raw = server = None
+        if not args.no_raw:
+            from localchat.bench.rawbaseline import RawLlama
+            try:
+                raw = RawLlama(cfg)
+                stack.callback(raw.close)
+                rows += run_raw(raw, prompts, replies, kv, progress)
+            except (ValueError, RuntimeError) as exc:  # no room for a second copy of the model
+                peer_errors.append(f"raw llama-cpp-python: {exc}")
+                raw = None
+        if args.peer_server:
+            try:
+                server = stack.enter_context(PeerServer(args.peer_server, cfg))
+                rows += run_server(server, prompts, replies, kv, progress)
+            except (OSError, RuntimeError, ValueError) as exc:  # the peer failing must not lose our figures
+                peer_errors.append(f"llama-server: {exc}")
+                server = None
+        if args.repeat:
+            rows += repeat_last_turn(rt, users[-1], prompts, replies, raw, server, kv, args.repeat, progress)
+    part: dict[str, Any] = {"rows": [asdict(r) for r in rows], "summary": _summary(rows, res, args.turns)}
+    part["summary"].update(ram)
+    if peer_errors:
+        part["summary"]["peer_error"] = "; ".join(peer_errors)
+    if args.llama_bench:
+        depth = len(prompts[-1])
+        ours = part["summary"]["decode_last_turn_median_tps"]
+        try:
+            lb = run_llama_bench(args.llama_bench, cfg, depth, args.reply_tokens)
+            part["summary"]["llama_bench"] = {"depth": depth, "tg_tps": lb, "localchat_tps": ours,
+                                              "localchat_over_llama_bench": round(ours / lb, 3)}
+        except (OSError, RuntimeError, ValueError, KeyError, IndexError) as exc:
+            part["summary"]["llama_bench"] = {"error": str(exc)}
+    return part
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="localchat bench", description=__doc__.splitlines()[0])
+    profile_args(p)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--system-tokens", type=int, default=1024)
+    p.add_argument("--user-tokens", type=int, default=150)
+    p.add_argument("--reply-tokens", type=int, default=64)
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE", help="PNG of TTFT per turn per mode (needs matplotlib)")
+    p.add_argument("--quick", action="store_true", help="a smaller workload that fits in two minutes on a CPU")
+    p.add_argument("--peer-server", metavar="PATH", help="llama-server binary to compare against")
+    p.add_argument("--llama-bench", metavar="PATH", help="llama-bench binary: decode speed at the same depth")
+    p.add_argument("--no-raw", action="store_true", help="skip the plain llama-cpp-python baseline")
+    p.add_argument("--kv", nargs="*", default=None, help="KV types to run (default: f16 and q8_0 where allowed)")
+    p.add_argument("--repeat", type=int, default=None, metavar="N",
+                   help="run the last turn N more times, the modes interleaved; ratios use medians "
+                        "(default 4, --quick 0)")
+    p.add_argument("--typing", action="store_true", help="TTFT of typed and pasted messages, read-ahead on and off")
+    p.add_argument("--cps", type=float, default=6.0, help="typing speed for --typing, characters a second")
+    p.add_argument("--paste-tokens", type=int, default=2000)
+    p.add_argument("--reasoning", action="store_true",
+                   help="the official form's work for a reply with thoughts, and the next turn's TTFT")
+    p.add_argument("--reasoning-tokens", type=int, default=400)
+    p.add_argument("--answer-tokens", type=int, default=100)
+    p.add_argument("--decode", action="store_true",
+                   help="decode speed with drafts from the conversation (off, auto, on), repetitive and not")
+    p.add_argument("--load", action="store_true",
+                   help="decode speed beside 0, 1 and N busy processes: auto threads against each fixed count")
+    p.add_argument("--document", type=int, nargs="?", const=6000, metavar="TOKENS",
+                   help="TTFT of a chat about a document of TOKENS (6000), first and second time (prefix store)")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.typing or args.reasoning:
+        return _idle_benches(args)
+    if args.load or args.decode or args.document:
+        return _decode_benches(args)
+    if args.quick:
+        args.turns, args.system_tokens, args.user_tokens, args.reply_tokens = 6, 256, 100, 32
+    if args.repeat is None:
+        args.repeat = 0 if args.quick else 4
+    o = overrides(args)
+    o["temperature"] = 0.0
+    o["max_tokens"] = args.reply_tokens
+    base = runtime.load_profile(args.profile, o)
+    kvs = args.kv or (["f16", "q8_0"] if base.flash_attn else ["f16"])
+    modes = 3 + bool(args.peer_server) - bool(args.no_raw)
+    total_steps = len(kvs) * (args.turns + args.repeat) * modes
+    done = [0]
+
+    def progress(label: str) -> None:
+        done[0] += 1
+        _progress(done[0], total_steps, label)
+
+    result: dict = {"versions": {"llama_cpp_python": llama_version()}, "workload": {
+        "turns": args.turns, "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
+        "reply_tokens": args.reply_tokens, "last_turn_repeats": args.repeat}, "kv": {}}
+    with tempfile.TemporaryDirectory(prefix="localchat-bench-") as tmp:
+        os.environ["LOCALCHAT_HOME"] = tmp  # the bench's sessions and speeds never touch the user's
+        for kv in kvs:
+            profile = dataclasses.replace(base, type_k=kv, type_v=kv)
+            result["kv"][kv] = run_kv(args, profile, Path(tmp), kv, progress, result)
+    result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    sys.stderr.write("\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    for line in summarize(result):
+        sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    if args.plot:
+        _plot(result, args.plot)
+    return 0
+
+
+def _idle_benches(args: argparse.Namespace) -> int:
+    """--typing and --reasoning (benchidle): one KV type, the profile's; JSON to --json and stdout."""
+    from localchat.bench import idle
+    o = overrides(args)
+    o["temperature"], o["max_tokens"] = 0.0, args.reply_tokens
+    if args.typing and not o.get("n_ctx"):
+        o["n_ctx"] = 8192  # the history, a 2,000-token paste and the reply
+    profile = runtime.load_profile(args.profile, o)
+    if args.repeat is None:
+        args.repeat = 3
+    result: dict[str, Any] = {"versions": {"llama_cpp_python": llama_version()}, "model": profile.model}
+    with tempfile.TemporaryDirectory(prefix="localchat-bench-") as tmp:
+        os.environ["LOCALCHAT_HOME"] = tmp
+        if args.typing:
+            result["typing"] = idle.run_typing(profile, args, _report)
+        if args.reasoning:
+            result["reasoning"] = idle.run_reasoning(profile, args, _report)
+    sys.stderr.write("\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    sys.stdout.write(json.dumps({k: v for k, v in result.items()}, indent=1, default=str)[:20000] + "\n")
+    return 0
+
+
+def _decode_benches(args: argparse.Namespace) -> int:
+    """--decode, --load, --document (benchdecode, benchload, benchdoc): JSON to --json, a summary to stdout."""
+    from localchat.bench import decode, document, load
+    o = overrides(args)
+    if args.document:
+        o.update(temperature=0.0, max_tokens=args.reply_tokens, n_ctx=o.get("n_ctx") or args.document + 1024)
+    profile = runtime.load_profile(args.profile, o)
+    result: dict[str, Any] = {"versions": {"llama_cpp_python": llama_version()}, "cpu_count": os.cpu_count()}
+    lines: list[str] = []
+    if args.decode:
+        result["decode"] = decode.run_decode(profile, args.repeat or 3, max(args.reply_tokens, 256), _report,
+                                                  args.llama_bench)
+        lines += decode.summary(result["decode"])
+    if args.load:
+        result["load"] = load.run_load(profile, args.repeat or 3, args.reply_tokens * 2, _report)
+        lines += load.summary(result["load"])
+    if args.document:
+        result["document"] = document.run_document(profile, args.repeat or 3, args.document, args.reply_tokens, _report)
+        lines += document.summary(result["document"])
+    sys.stderr.write("\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+def _plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.stderr.write("localchat: --plot needs matplotlib: pip install 'localchat[plot]'\n")
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for kv, part in result["kv"].items():
+        rows = [Row(**r) for r in part["rows"]]
+        for mode in ("recompute", "localchat", "raw", "server"):
+            pts = [(r.turn, r.ttft_s) for r in rows
+                   if not r.repeat and (r.mode == mode or (mode == "localchat" and r.mode == "resume"))]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{mode} ({kv})")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_yscale("log")
+    ax.set_title(f"TTFT per turn: {result['machine']['model']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,105 @@
+"""`localchat bench --decode`: decode speed with drafts from the conversation (n-gram) against none,
+and with the profile's draft model where one is set (`--draft-model`), on a reply that repeats the
+conversation and one that does not, the modes interleaved.
+
+Repetitive: the user pastes a passage of about 300 tokens and asks for it back with one change, as
+when a reply quotes a document or edits pasted code. Not repetitive: a story on a new subject.
+The speeds are medians of wall-clock tokens a second (llama-bench's too, run once per round). The
+greedy replies are compared: past 256 tokens of context llama.cpp computes a one-token step with
+other kernels than a batch (README: Speed), so they may part where two tokens score within
+rounding; where, is reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from localchat import runtime
+from localchat.bench import report
+from localchat.bench.peer import run_llama_bench
+from localchat.chat.turns import Chat
+from localchat.engine import SamplingConfig
+from localchat.settings import Profile
+
+PASSAGE = ("The reading room opens at nine on weekdays and at ten on Saturdays. Members may borrow up to six "
+           "books for three weeks and renew them twice, online or at the desk. Rare books stay in the archive "
+           "and are read under supervision, with pencils only. The children's section holds story hours on "
+           "Wednesday afternoons and a reading club for teenagers on Fridays. Laptops may be used on the upper "
+           "floor, where every table has power outlets, but calls must be taken in the lobby. The cafe on the "
+           "ground floor closes an hour before the library does, and food is not allowed among the shelves. ")
+WORKLOADS = {
+    "repetitive": "Here is our library's notice:\n\n" + PASSAGE * 2 + "\nWrite the notice out again exactly, "
+                  "word for word, changing only 'nine' to 'eight'.",
+    "not repetitive": "Write a long story about a lighthouse keeper who finds a map inside a bottle.",
+}
+MODES = ("off", "auto", "on")
+
+
+def fresh_reply(rt: runtime.Runtime, mode: str, text: str, reply_tokens: int) -> tuple[list[int], float, int, int, int]:
+    """One greedy reply in a fresh chat: its tokens, wall tokens a second, drafted, accepted, the prompt's size.
+    `mode` "draft": auto, with the profile's draft model where the history offers no draft."""
+    rt.engine.clear()
+    settings = dataclasses.replace(runtime.chat_settings(rt.profile), speculate="auto" if mode == "draft" else mode,
+                                   max_tokens=reply_tokens, sampling=SamplingConfig(temperature=0))
+    chat = Chat(rt.engine, rt.chat.fmt, settings)
+    if mode == "draft" and chat.speculation is not None:
+        chat.speculation.model = rt.draft
+    st = chat.turn(text)
+    return (chat.conv.messages[-1].tokens, float(st.extra.get("wall_decode_tps", 0.0)),
+            int(st.extra.get("draft_tokens", 0)), int(st.extra.get("accepted_tokens", 0)), st.prompt_tokens)
+
+
+def run_decode(profile: Profile, repeat: int, reply_tokens: int, report: Callable[[str], None],
+               llama_bench: str | None = None) -> dict[str, Any]:
+    """`llama_bench`: its binary, to compare with its decode speed at each workload's depth."""
+    with runtime.open_runtime(profile, lambda _: None) as rt:
+        out: dict[str, Any] = {"model": rt.model.name, "threads": rt.engine.threads[0], "reply_tokens": reply_tokens,
+                               "repeat": repeat, "workloads": {}}
+        modes = MODES + (("draft",) if rt.draft else ())
+        for name, text in WORKLOADS.items():
+            rates: dict[str, list[float]] = {m: [] for m in modes}
+            replies: dict[str, list[int]] = {}
+            drafts: dict[str, list[int]] = {m: [0, 0] for m in modes}
+            tg_runs: list[float] = []
+            for r in range(repeat):
+                for mode in modes:
+                    report(f"bench --decode: {name}, speculation {mode}, run {r + 1}/{repeat}")
+                    tokens, tps, drafted, accepted, depth = fresh_reply(rt, mode, text, reply_tokens)
+                    replies.setdefault(mode, tokens)
+                    rates[mode].append(tps)
+                    drafts[mode][0] += drafted
+                    drafts[mode][1] += accepted
+                if llama_bench:  # interleaved with the modes: this machine's speed drifts between runs
+                    tg_runs.append(run_llama_bench(llama_bench, rt.engine.config, depth, reply_tokens, repeat=1))
+            med = {m: round(statistics.median(v), 1) for m, v in rates.items()}
+            out["workloads"][name] = {
+                "decode_tps": med, "runs": rates, "reply_tokens": len(replies["off"]),
+                "identical_replies": all(replies[m] == replies["off"] for m in modes),
+                "first_difference": {m: next((i for i, (a, b) in enumerate(zip(replies[m], replies["off"])) if a != b),
+                                             None) for m in modes},
+                "acceptance": {m: round(a / d, 3) if d else None for m, (d, a) in drafts.items()},
+                "over_off": {m: round(med[m] / med["off"], 3) for m in modes if med["off"]}}
+            if tg_runs:
+                tg = statistics.median(tg_runs)
+                out["workloads"][name]["llama_bench"] = {"depth": depth, "tg_tps": round(tg, 1), "runs": tg_runs,
+                                                         "over_llama_bench": {m: round(med[m] / tg, 3) for m in modes}}
+        return out
+
+
+def summary(result: dict[str, Any]) -> list[str]:
+    head = (f"decode with drafts from the conversation: {result['model']}, {result['threads']} threads, "
+            f"medians of {result['repeat']}")
+    return [head] + [line for name, part in result["workloads"].items() for line in _workload(name, part)]
+
+
+def _workload(name: str, part: dict[str, Any]) -> list[str]:
+    lines = [f"  {name} ({part['reply_tokens']} tokens; same replies: {part['identical_replies']}): "
+             f"{report.rates(part['decode_tps'], part['over_off'])}; accepted {part['acceptance']}"]
+    if "llama_bench" in part:
+        lb = part["llama_bench"]
+        lines.append(f"    llama-bench tg at depth {lb['depth']}: {lb['tg_tps']:.1f} tok/s; "
+                     f"over it: {lb['over_llama_bench']}")
+    return lines

@@ -1,0 +1,208 @@
+"""The benchmark's modes, each replaying the same token sequences: the real engine path with
+autosave (`localchat`), the resume test, full re-prefill (`recompute`), plain llama-cpp-python
+(`raw`), llama-server (`server`), and the last turn again with the modes interleaved."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from localchat import runtime
+from localchat.bench.peer import PeerServer
+from localchat.engine import Engine, Generation, PrefillResult, SamplingConfig
+from localchat.session.lifecycle import Session
+from localchat.session.sessiondir import SessionDir
+
+FILLER = ("The history of bread begins with wild grains ground on stones, baked on hot ashes, and shared "
+          "among families who learned that a little old dough makes the next loaf rise. ")
+
+
+@dataclass
+class Row:
+    mode: str
+    kv: str
+    turn: int
+    prompt_tokens: int
+    recomputed_tokens: int
+    ttft_s: float
+    prefill_s: float
+    decode_tps: float
+    wall_s: float = 0.0
+    save_s: float = 0.0
+    repeat: int = 0  # 0: the run itself; k: the k-th interleaved repeat of the last turn
+
+
+def text_of(engine: Engine, n_tokens: int, salt: str) -> str:
+    """Text that tokenizes to about n_tokens tokens."""
+    toks = engine.tokenize((salt + " " + FILLER) * (n_tokens // 20 + 2), special=False)[:n_tokens]
+    return engine.detokenize(toks)
+
+
+def _anon_rss() -> int:
+    m = psutil.Process().memory_info()
+    return m.rss - m.shared
+
+
+def run_localchat(rt: runtime.Runtime, args, users: list[str], home: Path, kv: str, progress) -> dict:
+    """The real engine path with autosave on; records every prompt for the other modes."""
+    store = SessionDir(f"bench-{kv}", home / "sessions")
+    store.lock()
+    ctl = Session(rt, store, lambda t: None, autosave=True)
+    rows, prompts, replies = [], [], []
+    rss0 = _anon_rss()
+    peak = rss0
+    resume = {}
+    for i, text in enumerate(users, 1):
+        if i == args.turns // 2 + 1:
+            ctl.writer.wait()
+            resume = _resume(rt, ctl, store)
+        t0 = time.perf_counter()
+        st = ctl.turn(text)
+        window = ctl.chat.conv.window_tokens()
+        prompts.append(window[:st.prompt_tokens])
+        replies.append(window[st.prompt_tokens:])
+        ctl.after_turn(st)
+        wall = time.perf_counter() - t0
+        rows.append(Row("resume" if resume else "localchat", kv, i, st.prompt_tokens, st.recomputed_tokens,
+                        st.ttft_s, st.prefill_s, st.decode_tps, wall, st.save_s))
+        peak = max(peak, _anon_rss())
+        progress(f"localchat {kv} turn {i}")
+    ctl.writer.wait()
+    state_size = store.state.stat().st_size
+    ctl.close()
+    return {"rows": rows, "prompts": prompts, "replies": replies, "resume": resume, "state_bytes": state_size,
+            "host_overhead_bytes": peak - rss0}
+
+
+def _first_token(engine: Engine, tokens: list[int], t0: float, sampler) -> tuple[PrefillResult, float]:
+    """Make the KV hold `tokens` and sample one token of the continuation; seconds since t0."""
+    pre = engine.prefill(tokens)
+    gen = Generation(tokens=[])
+    for _ in engine.generate(sampler, 1, gen):
+        pass
+    engine.truncate(len(tokens))  # the sampled token was never evaluated: nothing to rewind
+    return pre, gen.first_token_at - t0
+
+
+def _resume(rt: runtime.Runtime, ctl: Session, store: SessionDir) -> dict:
+    """Drop the KV (as a new process would have none), time both ways back, then resume for real."""
+    from localchat.session import statefile
+    engine = rt.engine
+    greedy = engine.make_sampler(SamplingConfig(temperature=0))
+    window = ctl.chat.conv.window_tokens()
+    ctl.save()  # as a clean exit does
+    ctl.writer.wait()
+    engine.clear()
+    t0 = time.perf_counter()
+    engine.prefill(window)
+    prefill_s = time.perf_counter() - t0
+    _, reprefill_first = _first_token(engine, window, t0, greedy)
+    engine.clear()
+    ctl.chat.adopt(store.conversation())
+    t0 = time.perf_counter()
+    ctl.resume()
+    resume_s = time.perf_counter() - t0
+    chose_restore = ctl.restored
+    t0 = time.perf_counter()
+    header, offset = statefile.read_header(store.state)
+    payload = statefile.read_payload(store.state, header, offset)
+    engine.load_state(payload, header.tokens)
+    load_s = time.perf_counter() - t0
+    _, restore_first = _first_token(engine, window, t0, greedy)
+    ctl.note_restored()
+    ctl.chat.drop_warm()  # the timed load replaced the KV that resume() had warmed
+    ctl.chat.warm_next_head()
+    faster = "restore" if load_s < prefill_s else "re-prefill"
+    chosen = "restore" if chose_restore else "re-prefill"
+    return {"tokens": len(window), "state_bytes": header.payload_size, "load_s": load_s, "reprefill_s": prefill_s,
+            # from nothing in memory to the first token of the continuation, each way
+            "restore_first_token_s": restore_first, "reprefill_first_token_s": reprefill_first,
+            "chosen": chosen, "faster": faster, "resume_s": resume_s, "note": ctl.restore_note,
+            "chosen_within_10pct": chosen == faster or min(load_s, prefill_s) * 1.1 >= max(load_s, prefill_s)}
+
+
+def run_recompute(engine: Engine, prompts: list[list[int]], replies: list[list[int]], kv: str, progress,
+                  ram: dict) -> list[Row]:
+    """Also measures the decode path's host RAM beyond llama.cpp's buffers (no autosave here)."""
+    rows = []
+    engine.clear()
+    engine.prefill(prompts[0][:8])  # llama.cpp's buffers are all allocated by the first decode
+    rss0 = peak = _anon_rss()
+    sampler = engine.make_sampler(SamplingConfig(temperature=0))
+    for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
+        engine.clear()
+        engine.reset_perf()
+        t0 = time.perf_counter()
+        pre = engine.prefill(prompt)
+        gen = Generation(tokens=[])
+        for _ in engine.generate(sampler, max(len(n), 1), gen):
+            pass
+        perf = engine.perf()
+        tps = perf["eval_n"] / (perf["eval_ms"] / 1000) if perf["eval_ms"] else 0.0
+        rows.append(Row("recompute", kv, i, len(prompt), pre.recomputed, gen.first_token_at - t0, pre.seconds, tps,
+                        time.perf_counter() - t0))
+        peak = max(peak, _anon_rss())
+        progress(f"recompute {kv} turn {i}")
+    engine.clear()
+    ram["decode_path_host_overhead_mb"] = round((peak - rss0) / 1e6, 1)
+    return rows
+
+
+def run_raw(raw, prompts: list[list[int]], replies: list[list[int]], kv: str, progress) -> list[Row]:
+    rows = []
+    for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
+        ttft, tps, evaluated = raw.turn(prompt, n)
+        rows.append(Row("raw", kv, i, len(prompt), evaluated, ttft, 0.0, tps))
+        progress(f"raw llama-cpp-python {kv} turn {i}")
+    return rows
+
+
+def run_server(server: PeerServer, prompts, replies, kv: str, progress) -> list[Row]:
+    rows = []
+    for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
+        r = server.completion(prompt, max(len(n), 1))
+        rows.append(Row("server", kv, i, len(prompt), r["prompt_n"], r["ttft_s"], r["prompt_ms"] / 1000,
+                        r["decode_tps"]))
+        progress(f"llama-server {kv} turn {i}")
+    return rows
+
+
+def repeat_last_turn(rt: runtime.Runtime, last_text: str, prompts: list[list[int]], replies: list[list[int]],
+                     raw, server: PeerServer | None, kv: str, rounds: int, progress) -> list[Row]:
+    """The last turn again, `rounds` times, the modes interleaved within each round, so that a
+    slow spell of the machine hits every mode alike; the summary takes medians."""
+    chat, engine = rt.chat, rt.engine
+    prompt, reply = prompts[-1], replies[-1]
+    chat.undo()  # back to the conversation before the last turn; recompute cleared the KV
+    before = chat.conv.window_tokens()
+    sampler = engine.make_sampler(SamplingConfig(temperature=0))
+    rows = []
+    for k in range(1, rounds + 1):
+        engine.prefill(before)  # the state after the previous turn (later rounds: a rewind of what recompute left)
+        chat.warm_next_head()  # as after_turn does once a reply has been shown
+        st = chat.turn(last_text)
+        rows.append(Row("resume", kv, len(prompts), st.prompt_tokens, st.recomputed_tokens, st.ttft_s, st.prefill_s,
+                        st.decode_tps, repeat=k))
+        chat.undo()
+        progress(f"last turn again {k}/{rounds}: localchat {kv}")
+        engine.clear()
+        t0 = time.perf_counter()
+        pre, ttft = _first_token(engine, prompt, t0, sampler)
+        rows.append(Row("recompute", kv, len(prompts), len(prompt), pre.recomputed, ttft, pre.seconds, 0.0,
+                        repeat=k))
+        progress(f"last turn again {k}/{rounds}: recompute {kv}")
+        if raw is not None:
+            ttft, tps, evaluated = raw.turn(prompt, reply, keep=len(before))
+            rows.append(Row("raw", kv, len(prompts), len(prompt), evaluated, ttft, 0.0, tps, repeat=k))
+            progress(f"last turn again {k}/{rounds}: raw {kv}")
+        if server is not None:
+            server.completion(before, 1)  # its cache back to the previous turn's tokens
+            r = server.completion(prompt, max(len(reply), 1))
+            rows.append(Row("server", kv, len(prompts), len(prompt), r["prompt_n"], r["ttft_s"], r["prompt_ms"] / 1000,
+                            r["decode_tps"], repeat=k))
+            progress(f"last turn again {k}/{rounds}: llama-server {kv}")
+    engine.clear()
+    return rows

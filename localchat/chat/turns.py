@@ -1,0 +1,358 @@
+"""One chat over one engine: builds each turn's delta, handles overflow, streams, counts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from localchat.chat import overflow, replystream, transcript
+from localchat.chat.ahead import Ahead
+from localchat.chat.conversation import Conversation, Message
+from localchat.chat.documents import Attachments
+from localchat.chat.stats import TurnStats
+from localchat.chatformat import reasoning
+from localchat.chatformat.templates import ChatFormat
+from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig, Speculation, prime_sampler
+from localchat.errors import ContextFullError
+from localchat.settings import default
+
+TextSink = Callable[[str], None]
+Progress = Callable[[int, int], None]
+PrefixHook = Callable[[list[int], float], None]  # (the prefix's tokens, seconds its prefill took)
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """The profile's settings a chat reads (what each means: `localchat.settings.Profile`)."""
+
+    system: str | None = default("system")
+    max_tokens: int = default("max_tokens")
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    overflow: str = default("overflow")  # auto: shift where the KV can shift positions, else rebuild
+    history: str = default("history")
+    read_ahead: bool = default("read_ahead")
+    reasoning_budget: int = default("reasoning_budget")
+    speculate: str = default("speculate")
+
+
+@dataclass(frozen=True)
+class TurnInputs:
+    """What reached a turn from outside the chat (the session, the prefix store), reported in its record:
+    passed to `Chat.turn`, never set on the chat."""
+
+    kv_restored: bool = False  # the KV came from the session's state file
+    store_tokens: int = 0  # tokens the prefix store loaded for this turn
+    miss_cause: str = ""  # why this turn may recompute: a saved state was rejected
+
+
+NO_INPUTS = TurnInputs()
+
+
+@dataclass(frozen=True)
+class _Laid:
+    """Where a turn's prompt stands once its message is added: what the prefill credits to idle work."""
+
+    window_len: int  # the window before the message
+    head_len: int
+    own_from: int  # where the turn's own tokens start
+    canon_left: int  # the history's official form left to evaluate
+    stops: list[int]  # where the prefill stops for the prefix store
+
+
+class Chat:
+    """One conversation over one engine: each turn's delta, its prefill and reply, undo, retry, a new start."""
+
+    def __init__(self, engine: Engine, fmt: ChatFormat, settings: ChatSettings,
+                 conversation: Conversation | None = None):
+        self.engine, self.fmt, self.settings = engine, fmt, settings
+        self.conv = conversation or Conversation(system=settings.system)
+        self.turn_stats: list[TurnStats] = []
+        self.docs = Attachments()  # attached, sent with the next message (before its words)
+        self._system_cause = ""  # why the next turn may recompute: the system prompt changed
+        self._sampler = engine.make_sampler(settings.sampling)
+        # a sliding-window cache may lose cells a rejected draft's tail pushed out: exact only with swa_full
+        drafts = settings.speculate != "off" and (not engine.n_swa or engine.config.swa_full)
+        self.speculation = Speculation(settings.speculate, cost=engine.step_cost) if drafts else None
+        self._bos = engine.special_text("bos")
+        self._template_tokens: dict[tuple[str, bool], list[int]] = {}
+        self.events: list[transcript.Record] = []  # transcript records not yet persisted, drained by the store
+        self.read_ahead = settings.read_ahead
+        self.reasoning_style = reasoning.detect(fmt.source)  # think tags, channels, or "" (none)
+        self.ahead = Ahead(self)  # the work done while the user is not waiting
+
+    @property
+    def history_mode(self) -> str:
+        return self.settings.history
+
+    @property
+    def overflow(self) -> str:
+        if self.settings.overflow == "auto":
+            return "shift" if self.engine.can_shift else "rebuild"
+        return self.settings.overflow
+
+    # ---------------------------------------------------------------- deltas
+    def _tok(self, text: str, special: bool = True, bos: bool = False) -> list[int]:
+        if not special:
+            return self.engine.tokenize(text, special=False, add_bos=bos)
+        # template text repeats every turn: tokenized once
+        key = (text, bos)
+        if key not in self._template_tokens:
+            self._template_tokens[key] = self.engine.tokenize(text, special=True, add_bos=bos)
+        return list(self._template_tokens[key])
+
+    def template_tokens(self, text: str, first: bool = False) -> list[int]:
+        """Template text as tokens (special tokens parsed); the first segment of a prompt with a BOS
+        unless the template writes it."""
+        return self._tok(text, bos=first and not (self._bos and text.startswith(self._bos)))
+
+    def _prefix_tokens(self) -> list[int]:
+        return self.template_tokens(self.fmt.first_turn(self.conv.system, "").before, first=True)
+
+    def head_tokens(self) -> list[int]:
+        """The next turn's head as the template's delta gives it."""
+        return self._delta("")[0]
+
+    def _delta(self, text: str) -> tuple[list[int], list[int]]:
+        """(head, body): the closing of the last reply and the user header; the words and the
+        generation prompt. The first exchange's head is the prefix itself."""
+        if not any(m.in_window for m in self.conv.messages):
+            t = self.fmt.first_turn(self.conv.system, "")
+            head: list[int] = []
+        elif self.ahead.planned and (text or self.docs.pending):  # the official head, planned after the reply
+            t = self.fmt.next_turn(self.conv.system, "")
+            head = list(self.ahead.head)
+        else:
+            t = self.fmt.next_turn(self.conv.system, "")
+            before = t.before
+            last = self.conv.messages[-1].tokens
+            if last and self.engine.is_eog(last[-1]):
+                # the sampled end-of-turn token already closed the reply
+                before = before[len(self.engine.piece(last[-1], special=True).decode("utf-8", "replace")):]
+            head = self._tok(before)
+        return head, self.docs.tokens() + self._tok(text, special=False) + self._tok(t.after)
+
+    # ---------------------------------------------------------------- turns
+    def prepare(self) -> None:
+        """Before a turn's tokens are laid out: the system prefix if there is none yet, then the history's
+        form and the next head, if the idle work has not planned them (a message sent at once)."""
+        if not self.conv.prefix:
+            self.set_system(self.conv.system, cause="")
+        if not self.ahead.planned:
+            self.ahead.plan()
+
+    def turn(self, text: str, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
+             progress: Progress | None = None, started: float | None = None,
+             on_prefix: PrefixHook | None = None, on_thought: TextSink | None = None,
+             inputs: TurnInputs = NO_INPUTS) -> TurnStats:
+        """One exchange; `started` (perf_counter) is when the user's message arrived, for the TTFT;
+        `on_prefix` is called once the KV holds exactly the prefix, if it is evaluated this turn;
+        `on_thought` gets a reasoning model's thoughts as they stream (the answer goes to on_text);
+        `inputs`: what reached this turn from outside the chat."""
+        e = self.engine
+        t0 = started if started is not None else time.perf_counter()
+        st = TurnStats(turn=self.conv.turns + 1, n_ctx=e.n_ctx, kv_restored=inputs.kv_restored)
+        self.prepare()
+        laid = self._lay_out(text, st, inputs)
+        prompt = self.conv.window_tokens()
+        n_kv_before = e.n_kv
+        e.reset_perf()
+        gen = Generation(tokens=[])
+        st.prompt_tokens = len(prompt)
+        try:
+            pre = self._prefill(prompt, progress, cancelled, on_prefix, laid.stops)
+        except Cancelled:
+            self._record(self.conv.add_reply("", [], cut=True))
+            st.stop_reason, st.cut = "cancelled", True
+            self.ahead.end_turn()
+            return self._finish(st, t0, gen, inputs)
+        self.ahead.credit(st, pre, laid.window_len, laid.head_len, laid.own_from, laid.canon_left)
+        st.prefill_s, st.first_diff = pre.seconds, pre.first_diff
+        e.synchronize()  # llama.cpp books its counters there; the first draw would wait for it anyway
+        prompt_eval = int(e.perf()["prompt_n"])
+        opts = replystream.ReplyOptions(self.settings.max_tokens, self.reasoning_style, self.fmt.opens_thoughts,
+                                        self.settings.reasoning_budget, self.fmt.stop_strings, cancelled, on_text,
+                                        on_thought)
+        self._reply(len(prompt), gen, st, opts)
+        if st.cache_miss and st.turn > 1:
+            st.miss_cause = self._miss_cause(st, inputs, pre.rewind_refused, n_kv_before)
+        self.ahead.end_turn()
+        return self._finish(st, t0, gen, inputs, prompt_eval)
+
+    def _lay_out(self, text: str, st: TurnStats, inputs: TurnInputs) -> _Laid:
+        """Make room, add the user's message with its delta, and say where the turn's own tokens start."""
+        e = self.engine
+        head, body = self._delta(text)
+        if len(self.conv.prefix) + len(body) + 1 > e.n_ctx:
+            raise ContextFullError(f"this message ({len(body)} tokens) does not fit in the context "
+                                   f"({e.n_ctx} tokens); shorten it or raise --ctx")
+        evicted = overflow.make_room(e, self.conv, self.ahead, self.overflow,
+                                     len(head) + len(body) + self.settings.max_tokens, st)
+        if evicted:
+            self.events.append(evicted)
+        if st.shifted_tokens:
+            head, body = self._delta(text)  # the head depends on whether anything is left in the window
+        st.new_tokens = len(head) + len(body) + (len(self.conv.prefix) if not self.conv.messages else 0)
+        window = self.conv.window_tokens()
+        own_from, canon_left = self.ahead.at_turn(window)
+        if inputs.store_tokens:  # what the store loaded counts as cached (own_from is -1 when nothing was planned)
+            own_from = max(own_from, inputs.store_tokens)
+        stops = [len(self.conv.prefix)] if not self.conv.messages else []  # where the prefix store may keep the KV
+        stops += self.docs.ends(len(window) + len(head))[-1:]
+        blocks, docs = self.docs.take()
+        user = self.conv.add_user(blocks + text, head, body, docs)
+        user.pinned = bool(docs)  # the conversation about a document keeps it in the window
+        self._record(user)
+        return _Laid(len(window), len(head), own_from, canon_left, stops)
+
+    def _reply(self, prompt_len: int, gen: Generation, st: TurnStats, opts: replystream.ReplyOptions) -> None:
+        """Stream the reply and keep it in the conversation, counted in `st`."""
+        e, spec = self.engine, self.speculation
+        prime_sampler(self._sampler, self.settings.sampling, e.tokens)  # the penalties see this context
+        drafted, accepted = (spec.drafted, spec.accepted) if spec else (0, 0)
+        out = replystream.stream(e, self._sampler, gen, opts, spec)
+        if spec:
+            st.extra["draft_tokens"], st.extra["accepted_tokens"] = spec.drafted - drafted, spec.accepted - accepted
+        reply = self._settle_reply(prompt_len, gen, out.stop_text)
+        st.cut = gen.stop_reason in ("cancelled", "context_full")
+        text = out.answer.strip() if self.reasoning_style else e.detokenize([t for t in reply if not e.is_eog(t)])
+        self._record(self.conv.add_reply(text, reply, st.cut, reasoning=out.thought))
+        st.extra["reasoning_tokens"] = out.reasoning_tokens
+        st.reply_tokens, st.stop_reason = len(reply), gen.stop_reason
+
+    def _miss_cause(self, st: TurnStats, inputs: TurnInputs, rewind_refused: bool, n_kv_before: int) -> str:
+        """Why a turn recomputed more than it added: the cause known beforehand (a new system prompt, a
+        rejected state), else what the turn saw."""
+        told, self._system_cause = self._system_cause or inputs.miss_cause, ""
+        if told:
+            return told
+        if rewind_refused:
+            return "sliding window: the cache no longer holds what a rewind needs"
+        if st.shifted_tokens:
+            return "overflow: the kept window was recomputed"
+        if n_kv_before == 0:
+            return "KV empty (new process or state not restored)"
+        return f"template re-render: prompt differs from the KV at token {st.first_diff}"
+
+    def _record(self, m: Message) -> None:
+        self.events.append(transcript.message(m))
+
+    def _prefill(self, prompt: list[int], progress: Progress | None, cancelled: Callable[[], bool] | None,
+                 on_prefix: PrefixHook | None, stops: list[int]) -> PrefillResult:
+        """Prefill, stopping where the system prefix and attached documents end (llama.cpp's results vary in
+        the last bits with the batches: stores or not, the same batches), for `on_prefix` to keep their KV."""
+        e = self.engine
+        stops = [n for n in stops if n < len(prompt) and e.common_prefix(prompt[:n]) < n]
+        parts: list[PrefillResult] = []
+        for n in [*stops, len(prompt)]:
+            parts.append(e.prefill(prompt[:n], progress=progress, cancelled=cancelled))
+            evaluated = sum(p.recomputed for p in parts)
+            if n < len(prompt) and on_prefix is not None:
+                on_prefix(prompt[:n], sum(p.seconds for p in parts) * n / max(evaluated, 1))
+        if len(parts) == 1:
+            return parts[0]
+        return PrefillResult(parts[0].cached, sum(p.recomputed for p in parts), sum(p.seconds for p in parts),
+                             parts[0].first_diff, any(p.rewind_refused for p in parts))
+
+    def _settle_reply(self, prompt_len: int, gen: Generation, kept_text: str | None) -> list[int]:
+        """The reply tokens the history keeps: as sampled, less a stop string or a foreign end token."""
+        e = self.engine
+        reply = e.tokens[prompt_len:]
+        if kept_text is not None:
+            keep = 0
+            while keep < len(reply) and len(e.detokenize(reply[:keep + 1])) <= len(kept_text):
+                keep += 1
+            e.truncate(prompt_len + keep)
+        elif reply and e.is_eog(reply[-1]):
+            closing = self.fmt.next_turn(self.conv.system, "").before
+            if not closing.startswith(e.piece(reply[-1], special=True).decode("utf-8", "replace")):
+                e.truncate(len(e.tokens) - 1)  # pending, never evaluated: nothing to rewind
+        return e.tokens[prompt_len:]
+
+    def _finish(self, st: TurnStats, t0: float, gen: Generation, inputs: TurnInputs,
+                prompt_eval: int | None = None) -> TurnStats:
+        """`prompt_eval`: llama.cpp's prompt counter read after the prefill (verified drafts add to it)."""
+        e = self.engine
+        perf = e.perf()
+        st.llama_prompt_eval = int(perf["prompt_n"]) if prompt_eval is None else prompt_eval
+        st.llama_eval = int(perf["eval_n"])
+        if gen.first_token_at:
+            st.ttft_s = gen.first_token_at - t0
+        if perf["eval_ms"] > 0:
+            st.decode_tps = perf["eval_n"] / (perf["eval_ms"] / 1000)
+        if len(gen.tokens) > 1 and gen.last_token_at > gen.first_token_at:
+            # what the user sees: tokens per second of wall time, Python and UI included
+            st.extra["wall_decode_tps"] = round((len(gen.tokens) - 1) / (gen.last_token_at - gen.first_token_at), 2)
+            if st.extra.get("draft_tokens"):  # verified drafts are batches: llama.cpp counts them as prompt
+                st.decode_tps = st.extra["wall_decode_tps"]
+        st.ctx_used = len(e.tokens)
+        st.turns_left_window = self.conv.turns_left_window
+        st.tokens_left_window = self.conv.tokens_left_window
+        st.extra["prefix_cache_hit"] = inputs.store_tokens > 0
+        st.extra["prefix_store_tokens"] = inputs.store_tokens
+        self.turn_stats.append(st)
+        return st
+
+    # ---------------------------------------------------------------- idle work (see Ahead)
+    def warm_next_head(self) -> int:
+        """Bring the history to its official form and evaluate the next turn's head now, while the user
+        reads, so the next first token waits only for the user's words. Returns the tokens past the
+        history that were evaluated (the reply's end-of-turn token and the head)."""
+        before = max(self.engine.n_kv, self.ahead.own_from if self.ahead.planned else 0)
+        self.ahead.settle()
+        return max(0, self.engine.n_kv - max(before, self.ahead.own_from))
+
+    def drop_warm(self) -> bool:
+        """Take what was evaluated past the history back out of the KV (before a save of a
+        sliding-window cache, whose restored state must hold the transcript's tokens only)."""
+        window = self.conv.window_tokens()
+        e = self.engine
+        if e.n_kv > len(window) and e.tokens[:len(window)] == window and e.can_rewind_to(len(window)):
+            e.truncate(len(window))
+            return True
+        return False
+
+    # ---------------------------------------------------------------- commands
+    def _drop_last(self) -> str:
+        """Forget the last exchange (its documents are attached again); the user's words."""
+        user = self.conv.drop_last_exchange()[0]
+        self.docs.give_back(user)
+        self.events.append(transcript.undo())
+        self.ahead.invalidate()
+        return user.words
+
+    def undo(self) -> bool:
+        """Drop the last exchange; True when the KV was rewound without recomputing."""
+        if not self.conv.turns:
+            return False
+        self._drop_last()
+        keep = len(self.conv.window_tokens())
+        kept = self.engine.can_rewind_to(keep)
+        self.engine.truncate(keep)
+        return kept
+
+    def retry(self, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
+              inputs: TurnInputs = NO_INPUTS) -> TurnStats | None:
+        return self.turn(self._drop_last(), on_text, cancelled, inputs=inputs) if self.conv.turns else None
+
+    def new(self) -> None:
+        """Start over; the KV keeps the shared system prefix for the next turn to reuse."""
+        self.adopt(Conversation(system=self.conv.system))
+        self.turn_stats, self.events = [], []
+
+    def adopt(self, conv: Conversation) -> None:
+        """Continue `conv` (a resumed session or a new chat): its start date is the one templates print."""
+        self.conv = conv
+        self.fmt.now = datetime.fromisoformat(conv.started) if conv.started else None
+        self.ahead.invalidate()
+
+    def set_system(self, text: str | None, cause: str = "system prompt changed") -> None:
+        self.conv.system = text or None
+        if not self.conv.started:
+            self.conv.started = datetime.now().isoformat(timespec="seconds")
+            self.fmt.now = datetime.fromisoformat(self.conv.started)
+        self.conv.prefix = self._prefix_tokens()
+        self.ahead.invalidate()
+        self._system_cause = cause
+        self.events.append(transcript.system(self.conv))

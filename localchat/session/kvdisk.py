@@ -1,0 +1,216 @@
+"""The KV's life on disk: what a saved state must match, the checks it passes before llama.cpp
+sees it, restoring it or re-prefilling (whichever this machine does faster, by measured speeds),
+copying it out for a save, the autosave budget, and the disk cap on all saved states."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from localchat import paths
+from localchat.engine import Engine, llama_version
+from localchat.fsutil import atomic_write
+from localchat.session import statefile
+from localchat.session.fingerprint import ModelHasher
+from localchat.session.statefile import StateHeader, StateRejected
+
+META_FORMAT = 1
+DEFAULT_LOAD_BPS = 400e6  # until a restore on this machine has been measured
+DEFAULT_COPY_BPS = 1e9  # until the first copy out of llama.cpp has been measured
+AUTOSAVE_SHARE = 0.05
+SAMPLE_BYTES = 16 << 20  # read and hashed to estimate a restore's speed
+SPEEDS_FILE = "speeds.json"
+PREFIX_META_SUFFIX = ".json"  # beside each prefix store state: what it holds (`localchat cache list`)
+GIB = 1 << 30
+
+Progress = Callable[[int, int], None]
+
+
+def kv_settings(engine: Engine) -> dict[str, Any]:
+    """What a saved state must have been saved with to be loaded into this context."""
+    c = engine.config
+    return {"type_k": c.type_k, "type_v": c.type_v, "flash_attn": c.flash_attn, "swa_full": c.swa_full,
+            "n_ctx": engine.n_ctx, "n_ubatch": c.n_ubatch}
+
+
+@dataclass(frozen=True)
+class SavedWith:
+    """What the disk layer needs to know of the chat beside its engine: for meta.json, sizes and the cap."""
+
+    model_path: Path
+    model_name: str
+    profile_name: str
+    kv_bytes_per_token: int
+    max_disk_bytes: int
+
+
+def check_state(header: StateHeader, window: list[int], fingerprint: str | None,
+                settings: dict[str, Any] | None) -> None:
+    """Every check a state passes before it is used: the model, the KV settings (where known) and
+    the transcript's tokens (the state may run past them by the next turn's head, evaluated before
+    the save). Resume and `sessions verify` both call this."""
+    if fingerprint is not None or settings is not None:
+        statefile.check_header(header, fingerprint or header.fingerprint, settings or {})
+    shared = min(len(header.tokens), len(window))
+    if not header.tokens or header.tokens[:shared] != window[:shared]:
+        raise StateRejected("the state does not match the transcript")
+
+
+@dataclass(frozen=True)
+class Restored:
+    restored: bool  # the KV now holds the saved state
+    note: str  # what happened, for the user
+    rejected: str = ""  # why a saved state was not used, when it was refused
+
+
+class _PrefillFaster(Exception):
+    pass
+
+
+class KVDisk:
+    """One engine's KV and the files it is saved to and restored from."""
+
+    def __init__(self, engine: Engine, hasher: ModelHasher, about: SavedWith):
+        self.engine, self.hasher, self.about = engine, hasher, about
+        self.copy_bps = DEFAULT_COPY_BPS  # speed of the copy out of llama.cpp, measured at each save
+        self.measured: dict[str, float] = {}  # speeds measured in this run, saved with the next state
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return kv_settings(self.engine)
+
+    # ------------------------------------------------------------ measured speeds
+    def _speed_key(self) -> str:
+        return json.dumps([self.hasher.value, self.settings, self.engine.config.n_gpu_layers])
+
+    def speeds(self) -> dict[str, float]:
+        """This machine's measured speeds for this model and these KV settings."""
+        try:
+            all_speeds = json.loads((paths.home() / SPEEDS_FILE).read_text())
+            return dict(all_speeds.get(self._speed_key(), {}))
+        except (OSError, ValueError, AttributeError):
+            return {}
+
+    def save_speed(self, key: str, value: float) -> None:
+        path = paths.home() / SPEEDS_FILE
+        try:
+            all_speeds = json.loads(path.read_text())
+        except (OSError, ValueError):
+            all_speeds = {}
+        all_speeds.setdefault(self._speed_key(), {})[key] = value
+        try:
+            atomic_write(path, [json.dumps(all_speeds).encode()])
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------ restore
+    def restore(self, path: Path, window: list[int]) -> Restored:
+        """Load the saved state into the engine if it passes every check and loading beats
+        re-prefilling the window; otherwise say why and leave the KV empty for a rebuild."""
+        speeds = self.speeds()
+        engine = self.engine
+        try:
+            header, offset = statefile.read_header(path)
+            check_state(header, window, self.hasher.value, self.settings)
+            est_load = header.payload_size / speeds["load_bps"] if speeds.get("load_bps") else \
+                _estimate_load(path, offset, header.payload_size)
+            prefill_tps = speeds.get("prefill_tps")
+            est_prefill = len(window) / prefill_tps if prefill_tps else float("inf")
+            if est_prefill < est_load:
+                raise _PrefillFaster(f"re-prefill ({est_prefill:.2f} s est.) beats loading "
+                                     f"{header.payload_size / 1e6:.0f} MB ({est_load:.2f} s est.)")
+            t0 = time.perf_counter()
+            payload = statefile.read_payload(path, header, offset)
+            if not engine.load_state(payload, header.tokens):
+                raise StateRejected("llama.cpp refused the state data")
+            took = time.perf_counter() - t0
+            self.save_speed("load_bps", header.payload_size / max(took, 1e-6))
+            note = f"KV restored from disk in {took:.3f} s ({len(header.tokens)} tokens"
+            return Restored(True, note + (f"; re-prefill est. {est_prefill:.2f} s)" if prefill_tps else ")"))
+        except _PrefillFaster as why:
+            return Restored(False, f"chose re-prefill: {why}")
+        except StateRejected as why:
+            return Restored(False, f"saved KV not used: {why}; rebuilding from the transcript", str(why))
+
+    def rebuild(self, window: list[int], progress: Progress) -> tuple[int, float]:
+        """Prefill what the KV lacks of the window; (tokens evaluated, seconds). The speed is kept."""
+        engine = self.engine
+        missing = len(window) - engine.n_kv
+        t0 = time.perf_counter()
+        engine.prefill(window, progress=progress)
+        took = time.perf_counter() - t0
+        self.save_speed("prefill_tps", missing / max(took, 1e-6))
+        return missing, took
+
+    # ------------------------------------------------------------ save
+    def save_due(self, since_last_save: float) -> bool:
+        """The KV copy blocks the chat, so it may take at most AUTOSAVE_SHARE of the time since the
+        last save (idle time included): every turn for a person or a small model, less often for
+        back-to-back turns on a large state. The transcript is saved every turn regardless."""
+        size = self.engine.n_kv * self.about.kv_bytes_per_token
+        return size / self.copy_bps <= AUTOSAVE_SHARE * since_last_save
+
+    def copy_out(self) -> tuple[memoryview, list[int], float]:
+        """Copy the KV out of llama.cpp (the caller's thread); (payload, tokens, seconds)."""
+        engine = self.engine
+        t0 = time.perf_counter()
+        payload = engine.state_bytes()
+        tokens = engine.tokens[:engine.n_kv]
+        took = time.perf_counter() - t0
+        self.copy_bps = len(payload) / max(took, 1e-6)
+        return payload, tokens, took
+
+    def write(self, path: Path, payload: memoryview, tokens: list[int]) -> StateHeader:
+        """Hash and write a state atomically (a background thread: it may wait for the model's hash)."""
+        header = statefile.make_header(payload, self.hasher.value, self.settings, tokens, llama_version())
+        paths.private_dir(path.parent)
+        atomic_write(path, [statefile.encode(header), payload])
+        return header
+
+    def meta(self, name: str, created: float, turns: int, header: StateHeader) -> dict[str, Any]:
+        """meta.json of a session whose state was just written: what `sessions list` shows."""
+        about = self.about
+        return {"format": META_FORMAT, "name": name, "created": created, "updated": time.time(),
+                "model": {"path": str(about.model_path), "name": about.model_name, "fingerprint": header.fingerprint},
+                "llama_cpp_python": header.llama_cpp_python, "kv_settings": header.kv_settings,
+                "profile": about.profile_name, "turns": turns, "tokens": len(header.tokens),
+                "state": {"size": header.payload_size, "sha256": header.payload_sha256}}
+
+    def keep_measured_speeds(self) -> None:
+        if self.measured.get("prefill_tps"):
+            self.save_speed("prefill_tps", self.measured["prefill_tps"])
+
+    def prune(self, keep: Path) -> None:
+        prune_kv(self.about.max_disk_bytes, keep)
+
+
+def _estimate_load(path: Path, offset: int, size: int) -> float:
+    """Seconds to read, check and hand over a state, from reading and hashing a sample of it
+    (the copy into llama.cpp costs about as much again)."""
+    t0 = time.perf_counter()
+    with path.open("rb") as f:
+        f.seek(offset)
+        sample = f.read(min(size, SAMPLE_BYTES))
+    hashlib.sha256(sample).digest()
+    took = time.perf_counter() - t0
+    return 2 * size / max(len(sample) / max(took, 1e-6), 1.0)
+
+
+def prune_kv(budget: int, keep: Path) -> None:
+    """Keep saved KV states within the disk budget: least recently used first, transcripts never."""
+    files = [p for p in paths.sessions_dir().glob("*/kv.state")] + list(paths.prefix_dir().glob("*.state"))
+    stats = [(p.stat().st_mtime, p.stat().st_size, p) for p in files if p.exists()]
+    total = sum(s for _, s, _ in stats)
+    for _, size, path in sorted(stats):
+        if total <= budget:
+            break
+        if path != keep:
+            path.unlink(missing_ok=True)
+            if path.parent == paths.prefix_dir():
+                path.with_suffix(PREFIX_META_SUFFIX).unlink(missing_ok=True)
+            total -= size

@@ -1,0 +1,279 @@
+"""A chat bound to its session on disk: open or resume, turns and their autosave, switching, close.
+
+The KV's half of saving and resuming (checks, restore-or-prefill, copy, write, prune) is in
+`kvdisk`; the system prompts' shared KV in `prefixcache`; the transcript format in `transcript`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+from localchat.chat import transcript
+from localchat.chat.stats import TurnStats
+from localchat.chat.turns import NO_INPUTS, Progress, TextSink, TurnInputs
+from localchat.errors import SessionError
+from localchat.runtime import Runtime
+from localchat.session.background import BackgroundWriter
+from localchat.session.fingerprint import ModelHasher
+from localchat.session.kvdisk import GIB, KVDisk, SavedWith
+from localchat.session.prefixcache import PrefixCache
+from localchat.session.sessiondir import SessionDir, list_sessions
+
+Report = Callable[[str], None]
+
+
+def auto_name() -> str:
+    return time.strftime("chat-%Y%m%d-%H%M%S")
+
+
+class Session:
+    """A chat bound to its session directory (or to none, with --no-session): what the user sees as one
+    conversation across runs."""
+
+    def __init__(self, rt: Runtime, store: SessionDir | None, report: Report, autosave: bool,
+                 background: bool = False):
+        self.rt, self.chat, self.store, self.report = rt, rt.chat, store, report
+        # True: a scheduler calls idle_step() while the user reads and types (terminal UI);
+        # False: after_turn does the idle work at once (line mode)
+        self.background = background
+        self.autosave = autosave and store is not None
+        self.save_status = "off" if not self.autosave else ""
+        self._failure_told = False
+        self._last_save = time.monotonic()
+        self._dirty = False  # turns whose KV is not on disk yet
+        self._saved_relayouts = 0  # the history's official-form changes the saved state holds
+        self.writer = BackgroundWriter(self._set_status)
+        about = SavedWith(rt.model.path, rt.model.name, rt.profile.name, rt.kv_bytes_per_token,
+                          int(rt.profile.max_kv_disk_gb * GIB))
+        self.kv = KVDisk(rt.engine, ModelHasher(rt.model.path, start=store is not None), about)
+        self._next = NO_INPUTS  # what resume found, for the next turn to report
+        self.prefix_cache = PrefixCache(self.kv, self.writer) if store is not None else None
+        self.restore_note = ""
+
+    # ------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, rt: Runtime, args: argparse.Namespace, report: Report, background: bool = False) -> Session:
+        if getattr(args, "no_session", False):
+            return cls(rt, None, report, autosave=False, background=background)
+        name = getattr(args, "session", None)
+        if getattr(args, "resume_last", False):
+            recent = list_sessions()
+            if not recent:
+                report("localchat: no session to continue; starting a new one")
+            name = recent[0].name if recent else None
+        store = SessionDir(auto_name() if name is None else name)
+        store.lock()
+        if store.read_only:
+            report(f"localchat: session '{store.name}' is on a read-only file system; the chat goes on unsaved")
+        ctl = cls(rt, store, report, autosave=rt.profile.autosave, background=background)
+        if store.transcript.exists():
+            ctl.resume()
+        else:
+            ctl.report(f"session '{store.name}' (new)")
+        return ctl
+
+    def resume(self) -> None:
+        """Load the transcript; restore the KV from disk or rebuild it, whichever is faster."""
+        assert self.store is not None
+        chat, engine = self.chat, self.rt.engine
+        chat.adopt(self.store.conversation())
+        window = chat.conv.window_tokens()
+        head = f"session '{self.store.name}' resumed: {chat.conv.turns} turns, {len(window)} tokens in the window"
+        if len(window) <= len(chat.conv.prefix):
+            self.report(head)
+            return
+        if len(window) > engine.n_ctx:
+            self.report(f"{head}; the window exceeds --ctx {engine.n_ctx}: older turns will leave it")
+        outcome = self.kv.restore(self.store.state, window)
+        rejected = f"restored state rejected: {outcome.rejected}" if outcome.rejected else ""
+        self._next = TurnInputs(kv_restored=outcome.restored, miss_cause=rejected)
+        self.restore_note = outcome.note
+        self.report(f"{head}; {outcome.note}")
+        if len(window) - engine.n_kv > 1 and len(window) <= engine.n_ctx:
+            missing, took = self.kv.rebuild(window, self._rebuild_progress)
+            self.report(f"\rKV rebuilt: {missing} tokens in {took:.2f} s" + " " * 10)
+            self._next = TurnInputs(kv_restored=self._next.kv_restored)  # rebuilt: nothing left to explain
+        chat.warm_next_head()
+
+    def _rebuild_progress(self, done: int, total: int) -> None:
+        if total >= 256:
+            self.report(f"\rrebuilding KV: {done}/{total} tokens")
+
+    # ------------------------------------------------------------ turns
+    def turn(self, text: str, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
+             progress: Progress | None = None, started: float | None = None,
+             on_thought: TextSink | None = None) -> TurnStats:
+        """One exchange; `started`: when the user pressed Enter (perf_counter), for the TTFT. A prefix
+        loaded from disk is part of the wait for the first token."""
+        started = time.perf_counter() if started is None else started
+        self.rt.refit_threads()  # other programs may have started or stopped since the last turn
+        cache, chat = self.prefix_cache, self.chat
+        on_prefix = None
+        if cache is not None:
+            cache.load(chat)
+            names, prefix_len = [d.name for d in chat.docs.pending], len(chat.conv.prefix)
+            on_prefix = lambda tokens, seconds: cache.snapshot(  # noqa: E731
+                tokens, seconds, names if len(tokens) > prefix_len else [])
+        spec, draft = chat.speculation, self.rt.draft
+        before = (spec.model_drafted if spec else 0, draft.evaluated if draft else 0)
+        st = self.chat.turn(text, on_text, cancelled, progress, started, on_prefix=on_prefix, on_thought=on_thought,
+                            inputs=self._take_inputs())
+        st.extra["threads"], st.extra["threads_batch"] = self.rt.engine.threads
+        if spec and draft:  # what the draft model wrote, and evaluated to follow the context (rebuilds included)
+            st.extra["draft_model_tokens"] = spec.model_drafted - before[0]
+            st.extra["draft_model_evaluated"] = draft.evaluated - before[1]
+        return st
+
+    def retry(self, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None) -> TurnStats | None:
+        """The last exchange again, as a new turn (None when there is none)."""
+        return self.chat.retry(on_text, cancelled, inputs=self._take_inputs())
+
+    def _take_inputs(self) -> TurnInputs:
+        """What the next turn is told, then forgotten: each is reported by one turn only."""
+        stored = self.prefix_cache.take_loaded() if self.prefix_cache is not None else 0
+        inputs, self._next = TurnInputs(self._next.kv_restored, stored, self._next.miss_cause), NO_INPUTS
+        return inputs
+
+    @property
+    def restored(self) -> bool:
+        """The KV came from this session's state file at the last resume (the next turn reports it)."""
+        return self._next.kv_restored
+
+    def note_restored(self) -> None:
+        """The caller loaded this session's state into the engine itself (the benchmark times a load)."""
+        self._next = TurnInputs(kv_restored=True, miss_cause=self._next.miss_cause)
+
+    def after_turn(self, st: TurnStats) -> None:
+        """Persist the transcript now (fsync); the KV when its copy fits the autosave budget."""
+        self.flush_events()
+        if st.kv_restored and st.cache_miss:
+            self.report(f"localchat: the restored KV was not reused: {st.recomputed_tokens} tokens recomputed")
+        if st.recomputed_tokens >= 64 and st.prefill_s > 0:
+            self.kv.measured["prefill_tps"] = st.recomputed_tokens / st.prefill_s
+        if self.autosave:
+            self._dirty = True
+        if self.background:
+            return
+        self.chat.warm_next_head()  # the official form first: the saved state then holds it, and the head
+        self._tell_layout_failure()
+        if self._save_due():
+            st.save_s = self.save()
+
+    def _tell_layout_failure(self) -> None:
+        failure = self.chat.ahead.take_failure()
+        if failure:
+            self.report(f"localchat: {failure}")
+
+    @property
+    def dirty(self) -> bool:
+        """Turns, or a new form of the history, that the state on disk does not hold yet."""
+        return self._dirty or self.chat.ahead.relayouts != self._saved_relayouts
+
+    def _save_due(self) -> bool:
+        if not (self.autosave and self.dirty):
+            return False
+        if self.kv.save_due(time.monotonic() - self._last_save):
+            return True
+        self._set_status("deferred")
+        return False
+
+    def idle_step(self) -> bool:
+        """One small piece of idle work, most urgent first: the history in its official form and the
+        next head; attached documents (from the prefix store, or evaluated and stored); the autosave
+        copy; the message being typed. False when there is nothing to do."""
+        ahead = self.chat.ahead
+        if ahead.step(typed=False):
+            self._tell_layout_failure()
+            return True
+        if self.prefix_cache is not None and self.prefix_cache.idle(self.chat, self.chat.read_ahead):
+            return True
+        if self._save_due():
+            self.save()
+            return True
+        return ahead.step(typed=True)
+
+    def flush_events(self) -> None:
+        if self.store is not None and self.chat.events:
+            events, self.chat.events = self.chat.events, []
+            try:
+                torn = self.store.append(events)
+            except OSError as exc:
+                self.chat.events = events + self.chat.events  # retried with the next turn
+                self._set_status(f"failed: transcript not written ({exc.strerror})")
+                return
+            if torn:
+                self.report(f"localchat: the transcript's last record was torn (a crash or a full disk); its "
+                            f"{torn} bytes were moved to {self.store.transcript.name}{transcript.TORN_SUFFIX}")
+
+    def save(self) -> float:
+        """Copy the KV out of llama.cpp (this thread); hash and write it in the background.
+        Returns the copy time."""
+        if self.store is None:
+            return 0.0
+        self.flush_events()
+        self.chat.ahead.drop_typed()  # unsent words are never saved
+        if self.rt.engine.n_swa and not self.rt.engine.config.swa_full:
+            self.chat.drop_warm()  # a restored sliding-window state could not take the head back out
+        payload, tokens, took = self.kv.copy_out()
+        self._last_save, self._dirty = time.monotonic(), False
+        self._saved_relayouts = self.chat.ahead.relayouts
+        store, kv, turns = self.store, self.kv, self.chat.conv.turns
+
+        def job() -> None:
+            header = kv.write(store.state, payload, tokens)
+            store.write_meta(kv.meta(store.name, store.read_meta().get("created", time.time()), turns, header))
+            kv.keep_measured_speeds()
+            kv.prune(keep=store.state)
+
+        self.writer.submit(job)
+        return took
+
+    def _set_status(self, status: str) -> None:
+        if status.startswith("failed") and not self._failure_told:
+            self.report(f"localchat: autosave {status}; the previous save is kept and the chat goes on")
+        if status.startswith("failed") or status == "saved":
+            self._failure_told = status.startswith("failed")  # told once until a save succeeds again
+        self.save_status = status
+
+    # ------------------------------------------------------------ switching sessions
+    def _take(self, store: SessionDir) -> None:
+        """Make `store` the current session, holding its lock; the old one stays as it is on disk."""
+        if self.autosave and self.dirty:
+            self.save()
+        self.flush_events()
+        self.writer.wait()
+        store.lock()
+        if self.store is not None:
+            self.store.unlock()
+        else:
+            self.prefix_cache = PrefixCache(self.kv, self.writer)
+        self.store = store
+        self.autosave = self.rt.profile.autosave
+
+    def switch_to(self, store: SessionDir, new: bool) -> None:
+        if not new and not store.transcript.exists():
+            raise SessionError(f"no session named '{store.name}' (see /sessions)")
+        self._take(store)
+        self.chat.new()
+        if not new:
+            self.resume()
+
+    def save_as(self, name: str) -> None:
+        """Copy the conversation into a new session and continue there."""
+        store = SessionDir(name)
+        if store.exists():
+            raise SessionError(f"session '{name}' already exists; pick another name or /load it")
+        self._take(store)
+        self.chat.events = []
+        store.append(transcript.snapshot(self.chat.conv))
+
+    def close(self) -> None:
+        self.flush_events()
+        if self.autosave and self.dirty:
+            self.save()  # the deferred KV goes to disk on the way out
+        if not self.writer.wait(timeout=120):
+            self.report("localchat: autosave still running at exit; the previous save is kept")
+        if self.store is not None:
+            self.store.unlock()

@@ -1,0 +1,126 @@
+"""A session directory: its transcript, KV state file, metadata and lock; atomic writes.
+
+Files are 0600 and directories 0700 whatever the umask; every write of the state or the
+metadata goes to a temporary file that is fsynced and renamed, so the previous good copy
+stays until the new one is complete.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from localchat import paths
+from localchat.chat.conversation import Conversation
+from localchat.chat.transcript import TranscriptFile
+from localchat.errors import SessionError
+from localchat.fsutil import PRIVATE_FILE, atomic_write
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+TRANSCRIPT, STATE, META, LOCK = "transcript.jsonl", "kv.state", "meta.json", "lock"
+
+
+def validate_name(name: str) -> str:
+    if not NAME_RE.match(name or "") or ".." in name:
+        raise SessionError(f"invalid session name {name!r}: use letters, digits, '.', '_' and '-' "
+                           "(up to 64, no path separators)")
+    return name
+
+
+class SessionDir:
+    def __init__(self, name: str, root: Path | None = None):
+        self.name = validate_name(name)
+        self.dir = (root or paths.sessions_dir()) / self.name
+        self._lock_fd: int | None = None
+        self.read_only = False
+        self._transcript = TranscriptFile(self.dir / TRANSCRIPT)
+
+    @property
+    def transcript(self) -> Path:
+        return self.dir / TRANSCRIPT
+
+    @property
+    def state(self) -> Path:
+        return self.dir / STATE
+
+    @property
+    def meta_path(self) -> Path:
+        return self.dir / META
+
+    def exists(self) -> bool:
+        return self.transcript.exists() or self.meta_path.exists()
+
+    def create(self) -> None:
+        if not self.dir.is_dir():
+            paths.private_dir(self.dir.parent)
+            paths.private_dir(self.dir)
+
+    def lock(self) -> None:
+        """One process per session: a second one gets a clear error."""
+        self.create()
+        try:
+            fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
+        except OSError as exc:
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                self.read_only = True  # nothing can be saved: the chat goes on, saves fail and say so
+                return
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise SessionError(f"session '{self.name}' is open in another localchat (pid {holder}); "
+                               "close it first or use another --session name") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # ------------------------------------------------------------ transcript
+    def append(self, records: list[dict[str, Any]]) -> int:
+        """Append and fsync transcript records; returns the bytes of a torn last line cut off first."""
+        return self._transcript.append(records)
+
+    def conversation(self) -> Conversation:
+        return self._transcript.conversation()
+
+    # ------------------------------------------------------------ metadata
+    def read_meta(self) -> dict[str, Any]:
+        try:
+            meta = json.loads(self.meta_path.read_text(encoding="utf-8"))
+            return meta if isinstance(meta, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def write_meta(self, meta: dict[str, Any]) -> None:
+        atomic_write(self.meta_path, [json.dumps(meta, indent=1).encode()])
+
+    def size_on_disk(self) -> int:
+        return sum(p.stat().st_size for p in self.dir.iterdir() if p.is_file()) if self.dir.is_dir() else 0
+
+    def remove(self) -> None:
+        self.lock()
+        try:
+            shutil.rmtree(self.dir)
+        finally:
+            self.unlock()
+
+
+def list_sessions(root: Path | None = None) -> list[SessionDir]:
+    root = root or paths.sessions_dir()
+    if not root.is_dir():
+        return []
+    stores = [SessionDir(p.name, root) for p in root.iterdir() if p.is_dir() and NAME_RE.match(p.name)]
+    return sorted(stores, key=lambda s: s.read_meta().get("updated", 0), reverse=True)

@@ -1,0 +1,180 @@
+"""The live view of a reply while it streams, and the reply as it is printed when it ends.
+
+While tokens arrive, a small application shows the answer's last rows (rendered as Markdown), a
+reasoning model's thoughts collapsed to one dim line ("thinking... N tokens", or their last rows
+when shown), the type-ahead line and the status bar. Only that tail is live: nothing that scrolled
+away is laid out again. When the reply ends it is printed into the scrollback once, as Markdown
+through rich (headings, emphasis, lists, tables, code blocks highlighted), or plain with /raw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from prompt_toolkit.application import Application
+from prompt_toolkit.buffer import Buffer
+from prompt_toolkit.formatted_text import ANSI, FormattedText, StyleAndTextTuples, to_formatted_text
+from prompt_toolkit.input import Input
+from prompt_toolkit.key_binding import KeyBindings
+from prompt_toolkit.layout import Dimension, HSplit, Layout, Window
+from prompt_toolkit.layout.controls import BufferControl, FormattedTextControl
+from prompt_toolkit.output import Output
+from prompt_toolkit.styles import Style
+
+from localchat.ui.status import BarState
+
+STYLE = Style.from_dict({
+    "bottom-toolbar": "noreverse bg:#222222 #cccccc",
+    "bar": "bg:#222222 #cccccc",
+    "bar.profile": "bg:#005f87 #ffffff bold",
+    "bar.hit": "bg:#222222 #5fd75f bold",
+    "bar.miss": "bg:#222222 #ff5f5f bold",
+    "bar.warn": "bg:#222222 #ffaf00",
+    "bar.busy": "bg:#222222 #87afff",
+    "prompt": "#5fafff bold",
+    "cut": "#ff5f5f italic",
+    "info": "#888888",
+    "thought": "#808080 italic",
+})
+REDRAW_INTERVAL = 0.25  # seconds between redraws of the live reply and status bar
+LIVE_ROWS, LIVE_CHARS = 8, 1200
+
+
+def markdown(text: str, width: int | None = None) -> StyleAndTextTuples:
+    """`text` rendered as Markdown for the terminal (rich), as prompt_toolkit fragments."""
+    from rich.console import Console
+    from rich.markdown import Markdown
+    out = io.StringIO()
+    Console(file=out, force_terminal=True, color_system="256", width=width or shutil.get_terminal_size().columns,
+            legacy_windows=False).print(Markdown(text, code_theme="monokai"), end="")
+    return to_formatted_text(ANSI(out.getvalue().rstrip("\n")))
+
+
+def _tail_rows(fragments: StyleAndTextTuples, rows: int) -> StyleAndTextTuples:
+    """The last `rows` lines of formatted text."""
+    lines: list[StyleAndTextTuples] = [[]]
+    for style, text, *_ in fragments:
+        for i, part in enumerate(text.split("\n")):
+            if i:
+                lines.append([])
+            if part:
+                lines[-1].append((style, part))
+    out: StyleAndTextTuples = []
+    for i, line in enumerate(lines[-rows:]):
+        out += ([("", "\n")] if i else []) + line
+    return out
+
+
+class LiveReply:
+    """One streaming reply: the callbacks the engine's thread calls, and the view they feed."""
+
+    def __init__(self, bar: BarState, toolbar: Callable[[], Any], rendered: bool, show_thoughts: bool):
+        self.bar, self._toolbar, self.rendered, self.show_thoughts = bar, toolbar, rendered, show_thoughts
+        self.reply = self.thought = ""
+        self.thought_pieces = 0
+        self.app: Application | None = None
+        self._drawn = 0.0
+        self._done_text = ""  # the finished blocks of the live tail, laid out once
+        self._done: StyleAndTextTuples = []
+
+    # the engine's thread calls these
+    def emit(self, text: str) -> None:
+        self.reply += text
+        self.bar.phase = "generating"
+        self.bar.live_tokens += 1
+        self._invalidate()
+
+    def think(self, text: str) -> None:
+        self.thought += text
+        self.thought_pieces += 1
+        self.bar.phase = "thinking"
+        self._invalidate()
+
+    def progress(self, done: int, total: int) -> None:
+        self.bar.progress = (done, total)
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        # a redraw holds the GIL the generating thread needs: a few per second is enough to read
+        now = time.monotonic()
+        if self.app is not None and self.app.is_running and now - self._drawn >= REDRAW_INTERVAL:
+            self._drawn = now
+            self.app.invalidate()
+
+    # the view
+    def view(self) -> StyleAndTextTuples:
+        out: StyleAndTextTuples = []
+        if self.thought and not self.reply:
+            if self.show_thoughts:
+                out += [("class:thought", "\n".join(self.thought[-LIVE_CHARS:].split("\n")[-LIVE_ROWS:]))]
+            else:
+                out += [("class:thought", f"thinking... {self.thought_pieces} tokens (/think show shows them)")]
+        tail = self.reply[-LIVE_CHARS:]
+        if tail:
+            cut = tail.find("\n\n") if len(self.reply) > LIVE_CHARS else -1  # start at a block boundary
+            tail = tail[cut + 2:] if cut >= 0 else tail
+            out += _tail_rows(self._rendered(tail) if self.rendered else [("", tail)], LIVE_ROWS)
+        return out
+
+    def _rendered(self, text: str) -> StyleAndTextTuples:
+        """`text` as Markdown; the blocks before its last blank line outside a code block are laid out
+        once and kept, so a redraw lays out only the block the tokens are arriving in."""
+        cut = text.rfind("\n\n")
+        while cut > 0 and text.count("```", 0, cut) % 2:  # inside a code block: an earlier boundary
+            cut = text.rfind("\n\n", 0, cut)
+        done, growing = (text[:cut], text[cut + 2:]) if cut > 0 else ("", text)
+        if done != self._done_text:
+            self._done_text, self._done = done, markdown(done) if done.strip() else []
+        joint: StyleAndTextTuples = [("", "\n\n")] if self._done and growing else []
+        return self._done + joint + (markdown(growing) if growing.strip() else [])
+
+    def printed(self) -> list[tuple[StyleAndTextTuples, str]]:
+        """What the scrollback gets when the reply ends: (fragments, style) pieces."""
+        out: list[tuple[StyleAndTextTuples, str]] = []
+        if self.thought:
+            text = self.thought if self.show_thoughts else f"[thought for {self.thought_pieces} tokens]"
+            out.append(([("class:thought", text)], ""))
+        out.append((markdown(self.reply) if self.rendered and self.reply.strip() else [("", self.reply)], ""))
+        return out
+
+    async def run(self, future: Future, typeahead: Buffer, cancel: Callable[[], None], input: Input | None,
+                  output: Output | None) -> None:
+        """Show the view until `future` is done; Ctrl-C (or Ctrl-D) calls `cancel`."""
+        kb = KeyBindings()
+
+        @kb.add("c-c")
+        def _(event: Any) -> None:
+            cancel()
+            self.bar.notice = "stopping..."
+
+        @kb.add("c-d")
+        def _(event: Any) -> None:
+            cancel()
+
+        @kb.add("escape", "enter")
+        def _(event: Any) -> None:
+            event.current_buffer.insert_text("\n")
+
+        @kb.add("c-t")
+        def _(event: Any) -> None:  # show or fold the thoughts
+            self.show_thoughts = not self.show_thoughts
+
+        layout = Layout(HSplit([
+            Window(FormattedTextControl(lambda: FormattedText(self.view())), wrap_lines=True,
+                   height=Dimension(max=LIVE_ROWS)),
+            Window(BufferControl(typeahead), height=1),
+            Window(FormattedTextControl(self._toolbar), height=1, style="class:bottom-toolbar"),
+        ]), focused_element=typeahead)
+        app: Application = Application(layout=layout, key_bindings=kb, style=STYLE, input=input, output=output,
+                                       erase_when_done=True, min_redraw_interval=REDRAW_INTERVAL)
+        self.app = app
+        loop = asyncio.get_running_loop()
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(lambda: app.exit() if app.is_running else None))
+        await app.run_async(pre_run=lambda: app.exit() if future.done() else None)
+        self.app = None

@@ -1,0 +1,237 @@
+"""The terminal UI: prompt_toolkit input with history, a live status bar, streamed replies.
+
+The engine belongs to the scheduler's thread (llama.cpp releases the GIL): turns and commands
+are handed to it, and while the user reads and types it works ahead (the history's official
+form, the next head, the message being typed, which it follows keystroke by keystroke). During
+a reply a small application shows the reply as it grows, a type-ahead line and the status bar;
+when the reply ends it is printed into the scrollback and the prompt comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+from prompt_toolkit import PromptSession
+from prompt_toolkit.buffer import Buffer
+from prompt_toolkit.formatted_text import FormattedText
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+from prompt_toolkit.input import Input
+from prompt_toolkit.key_binding import KeyBindings
+from prompt_toolkit.output import Output
+from prompt_toolkit.shortcuts import print_formatted_text
+
+from localchat.chat.stats import TurnStats
+from localchat.errors import LocalchatError
+from localchat.session.lifecycle import Session
+from localchat.ui import slash, status
+from localchat.ui.liveview import STYLE, LiveReply
+from localchat.ui.scheduler import Scheduler
+
+AfterTurn = Callable[[TurnStats], None]
+
+
+def bar_state(ctl: Session) -> status.BarState:
+    rt = ctl.rt
+    return status.BarState(
+        profile=rt.profile.name, model=rt.model.name[:24], layers_gpu=rt.plan.layers_gpu if rt.plan.gpu else 0,
+        layers_total=rt.plan.layers_total, n_ctx=rt.engine.n_ctx, ctx_used=len(rt.engine.tokens),
+        kv_type=rt.engine.config.type_k if rt.engine.config.type_k == rt.engine.config.type_v
+        else f"{rt.engine.config.type_k}/{rt.engine.config.type_v}",
+        kv_bytes_per_token=rt.kv_bytes_per_token,
+        devices=tuple((d.name, d.total_bytes, d.room_bytes) for d in rt.plan.devices) if len(rt.plan.devices) > 1
+        else (), autosave=ctl.save_status)
+
+
+def _history(ctl: Session) -> History:
+    if ctl.store is None:
+        return InMemoryHistory()
+    path = ctl.store.dir / "input_history"
+    if not path.exists():
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    return FileHistory(str(path))
+
+
+class Repl:
+    def __init__(self, ctl: Session, after_turn: AfterTurn, input: Input | None = None,
+                 output: Output | None = None, view: status.ViewPrefs | None = None):
+        self.ctl, self.after_turn = ctl, after_turn
+        self.view = view or status.ViewPrefs()
+        self.input, self.output = input, output
+        self.bar = bar_state(ctl)
+        self.reply = ""  # the last reply's text, as streamed
+        self.cancel = threading.Event()
+        self.live = LiveReply(self.bar, self._toolbar, rendered=False, show_thoughts=False)
+        self.queued: list[str] = []  # sent with Enter while a reply streamed, in order
+        self.terminal: TextIO | None = sys.stdout if output is None else None  # /copy writes OSC 52 here
+        self.refill = ""  # text a command (/edit) put in the next input line
+        self.scheduler = Scheduler(ctl)
+        self.session: PromptSession = self._prompt_session()
+        self.session.default_buffer.on_text_changed += self._typed_changed
+
+    def _typed_changed(self, buffer: Buffer) -> None:
+        self.scheduler.set_typed(buffer.text)
+
+    # ------------------------------------------------------------ pieces
+    def _toolbar(self) -> FormattedText:
+        self.bar.autosave = self.ctl.save_status  # set by the writer thread; shown at the next redraw
+        self.bar.read_ahead = self.ctl.chat.ahead.read_ahead_tokens
+        return FormattedText(status.toolbar(self.bar))
+
+    def _prompt_session(self) -> PromptSession:
+        kb = KeyBindings()
+
+        @kb.add("c-c")
+        def _(event) -> None:  # Ctrl-C at the prompt clears the line
+            event.current_buffer.reset()
+
+        @kb.add("escape", "enter")
+        def _(event) -> None:
+            event.current_buffer.insert_text("\n")
+
+        return PromptSession(history=_history(self.ctl), key_bindings=kb, multiline=False,
+                             bottom_toolbar=self._toolbar, style=STYLE, input=self.input, output=self.output,
+                             refresh_interval=0.5, enable_history_search=False, enable_open_in_editor=True)
+
+    def print(self, text: str, style: str = "") -> None:
+        print_formatted_text(FormattedText([(style, text)]), style=STYLE, output=self.output)
+
+    # ------------------------------------------------------------ a turn
+    async def _run_turn(self, job: Callable[[Callable[[str], None], Callable[[], bool], Callable[[int, int], None]],
+                                            slash.Outcome | None],
+                        typeahead: Buffer) -> slash.Outcome | None:
+        """Run job on the engine's thread under a live view, then after_turn there for a reply it made;
+        Ctrl-C stops it and keeps what came."""
+        self.bar.phase, self.bar.live_tokens = "prefill", 0
+        self.cancel.clear()
+        live = self.live = LiveReply(self.bar, self._toolbar, rendered=self.view.markdown,
+                                     show_thoughts=self.view.show_thoughts)
+
+        def work() -> slash.Outcome | None:
+            out = job(live.emit, self.cancel.is_set, live.progress)
+            if isinstance(out, TurnStats):
+                self.after_turn(out)  # the transcript, before any idle work changes the KV
+            return out
+
+        typeahead.on_text_changed += self._typed_changed
+        future = self.scheduler.call(work, typed=typeahead.text)  # first: the live view is built meanwhile
+        await live.run(future, typeahead, self.cancel.set, self.input, self.output)
+        self.view.show_thoughts = live.show_thoughts  # Ctrl-T during the reply sticks
+        self.bar.phase, self.bar.notice = "", ""
+        return future.result()
+
+    def print_fragments(self, fragments: list) -> None:
+        print_formatted_text(FormattedText(fragments), style=STYLE, output=self.output)
+
+    def _show_reply(self, st: TurnStats | None) -> None:
+        for fragments, _ in self.live.printed():
+            self.print_fragments(fragments)
+        self.reply = self.live.reply
+        if st is not None and st.cut:
+            self.print(f"[reply cut: {st.stop_reason}]", "class:cut")
+
+    def _thought_sink(self, text: str) -> None:
+        self.live.think(text)
+
+    def _typeahead(self) -> Buffer:
+        """The line typed while a reply streams: Enter queues it (it runs when the reply ends)."""
+        def queue(buffer: Buffer) -> bool:
+            if buffer.text.strip():
+                self.queued.append(buffer.text)
+                self.bar.notice = f"queued ({len(self.queued)}): " + buffer.text.splitlines()[0][:40]
+            return False  # the line empties
+
+        return Buffer(multiline=False, accept_handler=queue)
+
+    def _finish_turn(self, st: TurnStats) -> None:
+        self._show_reply(st)
+        self.bar.last, self.bar.ctx_used = st, st.ctx_used
+
+    # ------------------------------------------------------------ the loop
+    def _where_you_were(self) -> None:
+        """A resumed chat starts with its last exchange above the prompt, trimmed to a few lines."""
+        msgs = [m for m in self.ctl.chat.conv.messages if m.content]
+        if len(msgs) < 2:
+            return
+        earlier = self.ctl.chat.conv.turns - 1
+        if earlier:
+            self.print(f"... {earlier} earlier turn{'s' if earlier > 1 else ''} ('localchat sessions show' has them)",
+                       "class:info")
+        for m, rows in ((msgs[-2], 3), (msgs[-1], 6)):
+            lines = m.content.strip().splitlines() or [""]
+            text = "\n".join(line[:200] for line in lines[:rows]) + (" [...]" if len(lines) > rows else "")
+            self.print(("> " if m.role == "user" else "") + text, "class:info")
+
+    async def run_async(self) -> None:
+        self.print(f"localchat: {self.ctl.rt.model.name} | /help for commands, Ctrl-D to quit", "class:info")
+        self._where_you_were()
+        pending = ""
+        while True:
+            if self.queued:  # sent with Enter while the last reply streamed: it goes now
+                line, entered = self.queued.pop(0), time.perf_counter()
+                self.print("> " + line, "class:prompt")
+                self.session.history.append_string(line)
+            else:
+                self.scheduler.set_typed(pending)  # the prompt starts with what was typed during the reply
+                try:
+                    line = await self.session.prompt_async(FormattedText([("class:prompt", "> ")]), default=pending)
+                except EOFError:
+                    break
+                except KeyboardInterrupt:
+                    pending = ""
+                    continue
+                entered = time.perf_counter()  # the TTFT runs from Enter, a batch of idle work in flight included
+            pending = ""
+            if not line.strip():
+                continue
+            typeahead = self._typeahead()
+            try:
+                if line.startswith("/"):
+                    out = await self._command(line, typeahead)
+                    if out:
+                        self.print(out, "class:info")
+                else:
+                    error = self.scheduler.take_error()
+                    if error is not None:  # the idle work met it (the template failed): this turn ends with it
+                        raise error
+                    st = await self._run_turn(functools.partial(self.ctl.turn, line, started=entered,
+                                                                on_thought=self._thought_sink), typeahead)
+                    if isinstance(st, TurnStats):
+                        self._finish_turn(st)
+            except slash.Quit:
+                break
+            except LocalchatError as exc:
+                self.print(f"localchat: {exc}", "class:cut")
+            pending, self.refill = self.refill or typeahead.text, ""
+        self.scheduler.close()
+        self.print("saving...", "class:info")
+
+    async def _command(self, line: str, typeahead: Buffer) -> str:
+        cmd = slash.lookup(line)
+        if cmd is not None and cmd.replies:  # streams a reply: run under the live view, like a turn
+            out = await self._run_turn(lambda emit, cancelled, progress: slash.dispatch(
+                slash.CommandContext(self.ctl, emit, cancelled, view=self.view), line), typeahead)
+        else:
+            out = await asyncio.wrap_future(self.scheduler.call(lambda: slash.dispatch(
+                slash.CommandContext(self.ctl, self.print, self.cancel.is_set, self.terminal, self.view), line),
+                typed=""))
+        if isinstance(out, slash.Refill):
+            self.refill = out.text
+            return "in the input line: Enter sends it" if out.text else "nothing written"
+        if isinstance(out, TurnStats):
+            self._finish_turn(out)
+            return ""
+        self.bar = bar_state(self.ctl) if line.split()[0] in ("/new", "/load") else self.bar
+        self.bar.ctx_used = len(self.ctl.rt.engine.tokens)
+        return out or ""
+
+
+def run(ctl: Session, after_turn: AfterTurn, view: status.ViewPrefs | None = None) -> None:
+    asyncio.run(Repl(ctl, after_turn, view=view).run_async())
+

@@ -1,0 +1,273 @@
+"""Slash commands: one table shared by the terminal UI and the line mode."""
+
+from __future__ import annotations
+
+import difflib
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from localchat.chat import attaching, transcript
+from localchat.chat.stats import TurnStats
+from localchat.machine import planview
+from localchat.session import prefixcache
+from localchat.session.lifecycle import Session, auto_name
+from localchat.session.sessiondir import SessionDir, list_sessions
+from localchat.settings import SETTING_KEYS
+from localchat.ui import clipboard
+from localchat.ui.status import ViewPrefs
+
+
+class Quit(Exception):
+    """Raised by /quit; the UI exits after the autosave completes."""
+
+
+@dataclass
+class CommandContext:
+    ctl: Session
+    emit: Callable[[str], None]  # streamed reply text, for /retry
+    cancelled: Callable[[], bool]
+    terminal: TextIO | None = None  # the user's terminal (/copy writes its clipboard sequence there)
+    view: ViewPrefs = field(default_factory=ViewPrefs)  # how replies are shown (the terminal UI's)
+
+
+@dataclass(frozen=True)
+class Refill:
+    """Text for the input line, sent when the user presses Enter (/edit)."""
+
+    text: str
+
+
+Outcome = str | TurnStats | Refill  # a message for the user, a reply the command generated, or text for the input line
+
+
+@dataclass(frozen=True)
+class Command:
+    usage: str
+    help: str
+    run: Callable[[CommandContext, str], Outcome]
+    replies: bool = False  # generates a reply: the UI runs it as it runs a turn
+
+
+def _help(ctx: CommandContext, arg: str) -> str:
+    return "\n".join(f"  {c.usage:<16} {c.help}" for c in COMMANDS.values())
+
+
+def _new(ctx: CommandContext, arg: str) -> str:
+    ctx.ctl.switch_to(SessionDir(auto_name()), new=True)
+    return f"new chat (session '{ctx.ctl.store.name}')" if ctx.ctl.store else "new chat"
+
+
+def _save(ctx: CommandContext, arg: str) -> str:
+    ctl = ctx.ctl
+    if arg.strip():
+        ctl.save_as(arg.strip())
+    took = ctl.save()
+    ctl.writer.wait()
+    return f"saved session '{ctl.store.name}' (KV copied in {took * 1000:.0f} ms; {ctl.save_status})" if ctl.store \
+        else "nothing saved: started with --no-session"
+
+
+def _load(ctx: CommandContext, arg: str) -> str:
+    if not arg.strip():
+        return "usage: /load NAME (see /sessions)"
+    ctx.ctl.switch_to(SessionDir(arg.strip()), new=False)
+    return ctx.ctl.restore_note or f"loaded '{arg.strip()}'"
+
+
+def _sessions(ctx: CommandContext, arg: str) -> str:
+    rows = []
+    for s in list_sessions():
+        m = s.read_meta()
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(m.get("updated", 0))) if m else "-"
+        rows.append(f"  {s.name:<28} {m.get('turns', '?'):>4} turns {m.get('tokens', '?'):>7} tok  {when}")
+    return "\n".join(rows) or "no sessions yet"
+
+
+def _system(ctx: CommandContext, arg: str) -> str:
+    chat = ctx.ctl.chat
+    if not arg.strip():
+        return f"system prompt: {chat.conv.system or '(the template default)'}"
+    chat.set_system(arg.strip())
+    return "system prompt set; the next turn recomputes the window once"
+
+
+def _undo(ctx: CommandContext, arg: str) -> str:
+    chat = ctx.ctl.chat
+    if not chat.conv.turns:
+        return "nothing to undo"
+    kept = chat.undo()
+    ctx.ctl.flush_events()
+    return "last exchange dropped; KV rewound, nothing recomputed" if kept else \
+        "last exchange dropped; the sliding window cannot rewind: the next turn recomputes"
+
+
+def _retry(ctx: CommandContext, arg: str) -> Outcome:
+    st = ctx.ctl.retry(ctx.emit, ctx.cancelled)
+    return "nothing to retry" if st is None else st
+
+
+def _stats(ctx: CommandContext, arg: str) -> str:
+    hist = ctx.ctl.chat.turn_stats
+    if not hist:
+        return "no turns yet"
+    lines = [" turn  prompt  cached  recomp   new  reply   TTFT s   tok/s  shifted  ahead  wasted  canon  note"]
+    for st in hist:
+        note = st.miss_cause + (f" (first difference at token {st.first_diff})" if st.cache_miss and
+                                st.first_diff >= 0 else "")
+        note = note or ("KV restored" if st.kv_restored else "")
+        x = st.extra
+        lines.append(f" {st.turn:>4} {st.prompt_tokens:>7} {st.cached_tokens:>7} {st.recomputed_tokens:>7} "
+                     f"{st.new_tokens:>5} {st.reply_tokens:>6} {st.ttft_s:>8.3f} {st.decode_tps:>7.1f} "
+                     f"{st.shifted_tokens:>8} {x.get('read_ahead_tokens', 0):>6} "
+                     f"{x.get('discarded_ahead_tokens', 0):>7} {x.get('canonicalized_tokens', 0):>6}  {note}")
+    conv = ctx.ctl.chat.conv
+    lines.append(f" window: {conv.turns - conv.turns_left_window} of {conv.turns} turns; "
+                 f"{conv.turns_left_window} turns ({conv.tokens_left_window} tokens) left the window")
+    return "\n".join(lines)
+
+
+def _cache(ctx: CommandContext, arg: str) -> str:
+    ctl = ctx.ctl
+    e, per_tok = ctl.rt.engine, ctl.rt.kv_bytes_per_token
+    lines = [f"KV holds {e.n_kv} tokens of {e.n_ctx} ({e.n_kv * per_tok / (1 << 20):.1f} MiB at "
+             f"{per_tok:,} bytes/token, {e.config.type_k}/{e.config.type_v}); {len(e.tokens) - e.n_kv} pending"]
+    if ctl.store is not None and ctl.store.state.exists():
+        lines.append(f"saved state: {ctl.store.state.stat().st_size / 1e6:.1f} MB ({ctl.save_status or 'saved'})")
+    stored = prefixcache.entries()
+    lines.append(f"prefix store: {len(stored)} states ({sum(e.size for e in stored) / 1e6:.1f} MB; "
+                 "`localchat cache list` shows them)")
+    return "\n".join(lines)
+
+
+def _attach(ctx: CommandContext, arg: str) -> str:
+    if not arg.strip():
+        return "usage: /attach PATH... (files, directories, globs; quote a path with spaces)"
+    try:
+        specs = shlex.split(arg)
+    except ValueError as exc:
+        return f"/attach: {exc}"
+    return "\n".join(attaching.add(ctx.ctl.chat, specs))
+
+
+def _docs(ctx: CommandContext, arg: str) -> str:
+    if arg.strip() == "clear":
+        chat = ctx.ctl.chat
+        n = len(chat.docs.pending)
+        chat.docs.pending.clear()
+        if ctx.ctl.prefix_cache is not None:
+            ctx.ctl.prefix_cache.forget_loaded()
+        chat.ahead.invalidate()
+        return f"{n} pending documents dropped"
+    return attaching.listing(ctx.ctl.chat)
+
+
+def _profile(ctx: CommandContext, arg: str) -> str:
+    p = ctx.ctl.rt.profile
+    shown = [k for k in SETTING_KEYS if k not in ("model", "system")]  # the plan names the model
+    head = [f"profile {p.name} ({p.source})", "  " + ", ".join(f"{k}={getattr(p, k)}" for k in shown)]
+    rt = ctx.ctl.rt
+    decode, batch = rt.engine.threads
+    why = f" ({rt.threads_why})" if rt.threads_why else ""
+    threads = f"  threads: {decode} per token, {batch} per prompt batch{why}"
+    return "\n".join(head + [threads] + ["  " + line for line in planview.describe(rt.plan, rt.engine.buffers)])
+
+
+def _pin(ctx: CommandContext, arg: str) -> str:
+    chat = ctx.ctl.chat
+    if not chat.conv.pin_last():
+        return "nothing to pin"
+    chat.events.append(transcript.pin())
+    return "last exchange pinned: it stays in the window when the context fills"
+
+
+def _copy(ctx: CommandContext, arg: str) -> str:
+    replies = [m for m in ctx.ctl.chat.conv.messages if m.role == "assistant" and m.content]
+    if not replies:
+        return "nothing to copy yet"
+    text, what = replies[-1].content, "the last reply"
+    words = arg.split()
+    if words and words[0] == "code":
+        blocks = clipboard.code_blocks(text)
+        n = int(words[1]) if len(words) > 1 and words[1].isdigit() else 1
+        if not 1 <= n <= len(blocks):
+            return f"the last reply has {len(blocks)} code block{'s' if len(blocks) != 1 else ''}"
+        text, what = blocks[n - 1], f"code block {n} of {len(blocks)}"
+    if ctx.terminal is None:
+        return "copying needs the terminal UI (line mode has no terminal to hand it to)"
+    ctx.terminal.write(clipboard.osc52(text))
+    ctx.terminal.flush()
+    return f"copied {what} ({len(text)} characters) to the terminal's clipboard (OSC 52)"
+
+
+def _edit(ctx: CommandContext, arg: str) -> Outcome:
+    if ctx.terminal is None:
+        return "editing needs the terminal UI"
+    try:
+        return Refill(clipboard.edit(arg))
+    except OSError as exc:
+        return f"the editor did not run ({exc}); set $EDITOR"
+
+
+def _think(ctx: CommandContext, arg: str) -> str:
+    chat, word = ctx.ctl.chat, arg.strip().lower()
+    if word in ("show", "hide"):
+        ctx.view.show_thoughts = word == "show"
+        return f"thoughts {'shown' if ctx.view.show_thoughts else 'folded to one line'} (Ctrl-T during a reply)"
+    if not word:
+        switch = chat.fmt.thinking_switch
+        state = f"{switch}: {chat.fmt.options.get(switch, 'the default')}" if switch else "no switch in its template"
+        shown = "shown" if ctx.view.show_thoughts else "folded"
+        return f"reasoning format: {chat.reasoning_style or 'none'}; {state}; thoughts {shown}"
+    said = chat.fmt.set_thinking(word)
+    chat.ahead.invalidate()  # the next turn's prompt follows the switch
+    return said
+
+
+def _raw(ctx: CommandContext, arg: str) -> str:
+    ctx.view.markdown = not ctx.view.markdown
+    return "replies rendered as Markdown" if ctx.view.markdown else "replies shown as raw text"
+
+
+def _quit(ctx: CommandContext, arg: str) -> str:
+    raise Quit
+
+
+COMMANDS: dict[str, Command] = {
+    "/help": Command("/help", "this list", _help),
+    "/new": Command("/new", "start a new chat (the current one stays saved)", _new),
+    "/save": Command("/save [NAME]", "save now, optionally under a new name", _save),
+    "/load": Command("/load NAME", "switch to a saved session", _load),
+    "/sessions": Command("/sessions", "list saved sessions", _sessions),
+    "/system": Command("/system [TEXT]", "show or set the system prompt", _system),
+    "/undo": Command("/undo", "drop the last exchange (rewinds the KV when safe)", _undo),
+    "/retry": Command("/retry", "regenerate the last reply", _retry, replies=True),
+    "/stats": Command("/stats", "per-turn table: cached, recomputed, TTFT, tok/s", _stats),
+    "/cache": Command("/cache", "what the KV holds, state size on disk, the prefix store", _cache),
+    "/attach": Command("/attach PATH...", "attach files, directories or globs to the next message", _attach),
+    "/docs": Command("/docs [clear]", "attached documents; clear drops those not sent yet", _docs),
+    "/profile": Command("/profile", "active settings and the memory plan", _profile),
+    "/pin": Command("/pin", "keep the last exchange in the window when the context fills", _pin),
+    "/copy": Command("/copy [code [N]]", "the last reply, or its code block N, to the clipboard (OSC 52)", _copy),
+    "/edit": Command("/edit", "write the next message in $EDITOR (also Ctrl-X Ctrl-E)", _edit),
+    "/think": Command("/think [on|off|low|medium|high|show|hide]", "reasoning: switch it, or show the thoughts",
+                      _think),
+    "/raw": Command("/raw", "replies as raw text, or as Markdown again", _raw),
+    "/quit": Command("/quit", "save and exit (also Ctrl-D)", _quit),
+}
+
+
+def lookup(line: str) -> Command | None:
+    return COMMANDS.get(line.strip().partition(" ")[0].lower())
+
+
+def dispatch(ctx: CommandContext, line: str) -> Outcome:
+    """Run a slash command; unknown ones get a hint and nothing reaches the model."""
+    name, _, arg = line.strip().partition(" ")
+    cmd = lookup(line)
+    if cmd is None:
+        close = difflib.get_close_matches(name.lower(), list(COMMANDS), n=1)
+        return f"unknown command {name}" + (f"; did you mean {close[0]}?" if close else "") + " (/help lists them)"
+    return cmd.run(ctx, arg)

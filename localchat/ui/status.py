@@ -1,0 +1,125 @@
+"""The status bar and the per-turn summary: pure functions of a small state object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localchat.chat.stats import TurnStats
+
+Fragments = list[tuple[str, str]]
+
+
+@dataclass
+class ViewPrefs:
+    """How replies are shown in the terminal UI: as Markdown or raw text; a reasoning model's thoughts
+    folded to one line or shown."""
+
+    markdown: bool = True
+    show_thoughts: bool = False
+
+
+@dataclass
+class BarState:
+    """Everything the status bar shows; the REPL updates it, the bar renders it."""
+
+    profile: str = ""
+    model: str = ""
+    layers_gpu: int = 0
+    layers_total: int = 0
+    n_ctx: int = 0
+    ctx_used: int = 0
+    kv_type: str = "f16"
+    kv_bytes_per_token: int = 0
+    last: TurnStats | None = None
+    phase: str = ""  # prefill, generating, rebuilding, "" when idle
+    progress: tuple[int, int] = (0, 0)
+    live_tokens: int = 0  # tokens generated so far in this reply
+    autosave: str = ""  # saved, saving, failed: <why>, off
+    notice: str = ""
+    read_ahead: int = 0  # tokens of the message being typed already in the KV
+    devices: tuple[tuple[str, int, int], ...] = ()  # a split model: each device's name, planned bytes, room
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+def _where(s: BarState) -> str:
+    """Where the model runs: each device's planned memory of its room when split, else the GPU's layers."""
+    if s.devices:
+        gib = 1 << 30
+        return "| " + " ".join(f"{n} {used / gib:.1f}/{room / gib:.0f}G" for n, used, room in s.devices) + " "
+    return f"| GPU {s.layers_gpu}/{s.layers_total} " if s.layers_gpu else "| CPU "
+
+
+def _reply_parts(st: TurnStats) -> list[str]:
+    """What the reply was made of, where it tells something: thoughts apart, drafts verified."""
+    parts = []
+    if st.extra.get("reasoning_tokens"):
+        parts.append(f"thought {st.extra['reasoning_tokens']} of {st.reply_tokens} tokens")
+    if st.extra.get("draft_tokens"):
+        parts.append(f"drafts {100 * st.extra['accepted_tokens'] / st.extra['draft_tokens']:.0f}% accepted")
+    return parts
+
+
+def _stored(st: TurnStats) -> list[str]:
+    """Where the cached tokens came from, when the prefix store gave them (a document read before)."""
+    n = st.extra.get("prefix_store_tokens", 0)
+    return [f"{n} from the prefix store"] if n else []
+
+
+def summary_line(st: TurnStats) -> str:
+    """One line per turn on stderr in line mode; the same numbers as --stats-json."""
+    parts = [f"[turn {st.turn}] cached {st.cached_tokens}, recomputed {st.recomputed_tokens} (new {st.new_tokens})",
+             *_stored(st), f"ctx {st.ctx_used}/{st.n_ctx}", f"TTFT {st.ttft_s:.2f}s", f"{st.decode_tps:.1f} tok/s",
+             *_reply_parts(st)]
+    if st.shifted_tokens:
+        parts.append(f"shifted {st.shifted_tokens}")
+    if st.kv_restored:
+        parts.append("KV restored")
+    if st.cut:
+        parts.append(f"cut ({st.stop_reason})")
+    if st.miss_cause:
+        parts.append(f"MISS: {st.miss_cause}")
+    return " | ".join(parts)
+
+
+def toolbar(s: BarState) -> Fragments:
+    """The bottom bar as prompt_toolkit style fragments, most telling first (narrow terminals cut the end)."""
+    pct = 100 * s.ctx_used / s.n_ctx if s.n_ctx else 0
+    frags: Fragments = [("class:bar.profile", f" {s.profile} ")]
+    if s.phase in ("prefill", "rebuilding"):
+        done, total = s.progress
+        frags.append(("class:bar.busy", f" {s.phase} {done}/{total} |"))
+    elif s.phase == "generating":
+        frags.append(("class:bar.busy", f" generating {s.live_tokens} |"))
+    st = s.last
+    if st is not None:
+        style = "class:bar.miss" if st.cache_miss else "class:bar.hit"
+        frags += [(style, f" cached {st.cached_tokens} recomputed {st.recomputed_tokens} "),
+                  *[("class:bar.hit", f"| {part} ") for part in _stored(st)],
+                  ("class:bar", f"| TTFT {st.ttft_s:.2f}s | {st.decode_tps:.1f} tok/s ")]
+        frags += [("class:bar", f"| {part} ") for part in _reply_parts(st)]
+        if st.cache_miss and st.miss_cause:
+            frags.append(("class:bar.miss", f"| MISS: {st.miss_cause} "))
+        if st.shifted_tokens or st.turns_left_window:
+            frags.append(("class:bar.warn", f"| {st.turns_left_window} turns ({st.tokens_left_window} tok) "
+                                            "left the window "))
+    if s.read_ahead and not s.phase:
+        frags.append(("class:bar.busy", f"| read ahead {s.read_ahead} "))
+    frags += [
+        ("class:bar", f"| ctx {s.ctx_used}/{s.n_ctx} ({pct:.0f}%) "),
+        ("class:bar", f"| KV {s.kv_type} {_mib(s.ctx_used * s.kv_bytes_per_token)} "),
+        ("class:bar", _where(s)),
+        ("class:bar", f"| {s.model} "),
+    ]
+    if s.autosave:
+        style = "class:bar.miss" if s.autosave.startswith("failed") else "class:bar"
+        frags.append((style, f"| autosave {s.autosave} "))
+    if s.notice:
+        frags.append(("class:bar.warn", f"| {s.notice} "))
+    return frags
+
+
+def toolbar_text(s: BarState) -> str:
+    return "".join(text for _, text in toolbar(s))
