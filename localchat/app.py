@@ -16,8 +16,11 @@ from localchat.ui import status
 
 def _report(text: str) -> None:
     """Diagnostics on stderr; a text starting with '\\r' redraws the current line (progress)."""
-    sys.stderr.write(text if text.startswith("\r") else text + "\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(text if text.startswith("\r") else text + "\n")
+        sys.stderr.flush()
+    except OSError:
+        pass  # the terminal closed with its window: what is saved does not depend on being told
 
 
 def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
@@ -46,7 +49,8 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         try:
             if interactive:
                 from localchat.ui import repl
-                repl.run(ctl, after_turn, status.ViewPrefs(markdown=not args.raw, show_thoughts=args.show_reasoning))
+                code = repl.run(ctl, after_turn, status.ViewPrefs(markdown=not args.raw,
+                                                                  show_thoughts=args.show_reasoning))
             else:
                 from localchat.ui import lineui
                 code = lineui.run_lines(ctl, after_turn, show_reasoning=args.show_reasoning)

@@ -52,6 +52,8 @@ def cmd_models(argv: Sequence[str]) -> int:
             refused = template_problem(g.get("tokenizer.chat_template"), "tokenizer.chat_template" in g.invalid_utf8)
             if refused:
                 row["template_refused"] = refused
+            if m.problem:
+                row["would_not_load"] = m.problem
         except ModelError as exc:
             row["error"] = str(exc)
         rows.append(row)
@@ -80,6 +82,8 @@ def _model_line(r: dict[str, Any]) -> list[str]:
            f"{r['size'] / 1e9:>6.2f}GB {r['n_ctx_train']:>7} {r['kv_bytes_per_token_f16']:>9,} {tmpl:<5} {r['source']}"]
     if "template_refused" in r:
         out.append(f"    its chat template is refused: {r['template_refused']}")
+    if "would_not_load" in r:
+        out.append(f"    {r['would_not_load']}")
     return out
 
 
@@ -108,6 +112,7 @@ def cmd_plan(argv: Sequence[str]) -> int:
                      if plan.gpu else "in RAM beside the model")
             _out(f"draft      {draft.name}: {need / (1 << 20):,.0f} MiB (weights, f16 KV, compute), {where}")
     planmod.check_fits(plan, profile)
+    info.check_loadable()  # the plan holds; the file itself would not load
     return 0
 
 

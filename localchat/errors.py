@@ -32,3 +32,7 @@ class TemplateFailure(ModelError):
     def __init__(self, message: str, kind: str = "template"):
         super().__init__(message)
         self.kind = kind  # bound, sandbox, template (its own raise_exception), syntax
+
+
+class DamagedModel(ModelError):
+    """The model file loaded but computes nonsense (non-finite logits): the chat cannot go on with it."""

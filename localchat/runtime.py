@@ -87,7 +87,12 @@ def load_profile(name: str | None, overrides: dict[str, Any]) -> Profile:
 
 
 def resolve_model(profile: Profile, report: Report) -> ModelInfo:
-    return models.model_info(models.resolve(profile.model, report))
+    """The profile's model, read (and described even where llama.cpp would refuse it); metadata it
+    ignores is said once."""
+    info = models.model_info(models.resolve(profile.model, report))
+    for notice in info.notices:
+        report(f"localchat: {info.path.name}: {notice}")
+    return info
 
 
 def local_gpus() -> list[Device]:
@@ -192,11 +197,12 @@ def chat_settings(profile: Profile) -> ChatSettings:
     return ChatSettings(**_same_named(profile, ChatSettings), sampling=sampling)
 
 
-def chat_format(engine: Engine) -> ChatFormat:
+def chat_format(engine: Engine, has_template: bool = True) -> ChatFormat:
     """The model's chat template, probed at load: a template that is not UTF-8, breaks a bound or
-    the sandbox stops the chat here, naming the model file."""
+    the sandbox stops the chat here, naming the model file. `has_template` False: the file's template is
+    not text (said when the model was read) and the fallback format serves."""
     name = Path(engine.config.model_path).name
-    raw = engine.meta_bytes("tokenizer.chat_template")
+    raw = engine.meta_bytes("tokenizer.chat_template") if has_template else None
     try:
         template = raw.decode("utf-8") if raw is not None else None
     except UnicodeDecodeError:
@@ -214,6 +220,7 @@ def draft_need(profile: Profile, plan: MemoryPlan, report: Report) -> tuple[Mode
     """The draft model, the bytes it takes beside the plan (its weights, an f16 KV of the same n_ctx, its
     compute buffers) and the room the plan leaves on the card (0 on a CPU profile: no card to fit)."""
     info = models.model_info(models.resolve(profile.draft_model, report))
+    info.check_loadable()
     need = info.file_size + plan.n_ctx * info.kv_bytes_per_token() + DRAFT_COMPUTE
     room = sum(d.room_bytes - d.total_bytes for d in plan.devices)
     return info, need, room
@@ -241,13 +248,15 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
     # the other processes' load is measured from here to after the model loaded
     threads = ThreadFit(thread_count(profile.n_threads), thread_count(profile.n_threads_batch))
     info = resolve_model(profile, report)
+    info.check_loadable()
     profile, warning = effective_profile(fit_trained_context(profile, info, explicit_ctx, report))
     plan = plan_for(profile, info, report)
     for endpoint in profile.rpc_servers if plan.gpu else ():
         register_rpc(endpoint)  # answered rpc.probe in cards_for: ggml aborts on a server that does not
     engine = Engine(engine_config(profile, info, plan.n_ctx, verbose, threads.cores, plan))
     try:
-        fmt = chat_format(engine)
+        engine.check_finite()
+        fmt = chat_format(engine, has_template=info.has_chat_template)
     except ModelError:
         engine.close()
         raise

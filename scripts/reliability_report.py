@@ -23,6 +23,8 @@ CLASSES = {
     "test_bad_input": "Bad input: hostile profiles, broken model files, huge/binary/control input, unwritable disk",
     "test_privacy": "Privacy: file modes under any umask, no pickle on a load path, no writes elsewhere",
     "test_hostile_templates": "Hostile chat templates in copies of the demo model, refused within bounds",
+    "test_hostile_models": "Damaged model files (hyper-parameters, vocabulary, tensors, types, NaN weights)",
+    "test_sudden_end": "A closed terminal, SIGTERM, SIGHUP and kill -9 mid-reply: nothing typed or read lost",
 }
 
 
@@ -82,6 +84,18 @@ def main() -> int:
               "under 10 s and 1 GiB of peak resident memory for the whole process tree; `localchat models` marks "
               "them; a template that turns hostile in the fifth turn ends the chat with exit 2, every completed "
               "turn kept.",
+              "- **Damaged model files**: 42 copies of the real demo model made by the tests (block, head, expert "
+              "and rope counts set to 0, huge or inconsistent values, per-layer head counts its tensors do not have, "
+              "NaN and negative norm epsilons, unknown architecture and tokenizer, a vocabulary truncated, "
+              "duplicated or of another family, special ids out of range, missing, misshapen and renamed tensors, "
+              "metadata of the wrong type, NaN weights): each ends in one line naming the file and the reason (the "
+              "rules llama.cpp would abort on are checked before it loads; its own refusals are read from its log "
+              "with the remedy), exit 2, no signal, no traceback, under 10 s and 1 GiB, no session touched; a chat "
+              "template stored as a number is ignored with a notice; `localchat models` and `plan` say so.",
+              "- **Sudden ends**: SIGTERM and SIGHUP mid-reply end the reply as Ctrl-C does (kept, marked cut), "
+              "save and exit with 128 + the signal; between turns they save and exit; kill -9 mid-reply keeps the "
+              "question (on disk before the reply starts); closing the tmux window mid-reply keeps the question "
+              "and what was on the screen; each resumes with the KV restored and `recomputed <= new + 1`.",
               "", "Also in the main suite: `tests/test_sessions.py` (20 kill -9 trials during autosave, a file-size "
               "limit in a subprocess as a full disk, locks, session names with `../` and absolute paths)."]
     (ROOT / "docs" / "RELIABILITY.md").write_text("\n".join(lines) + "\n")

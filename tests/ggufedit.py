@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-STRING, ARRAY, UINT32 = 8, 9, 4
+STRING, ARRAY, UINT32, FLOAT32 = 8, 9, 4, 6
 _SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _FORMATS = {4: "<I", 5: "<i", 6: "<f", 10: "<Q", 11: "<q", 12: "<d"}
 
@@ -44,7 +44,9 @@ def _string(b: bytes) -> bytes:
     return struct.pack("<Q", len(b)) + b
 
 
-def _value(value: str | bytes | int) -> tuple[int, bytes]:
+def _value(value: str | bytes | int | float) -> tuple[int, bytes]:
+    if isinstance(value, float):
+        return FLOAT32, struct.pack("<f", value)
     if isinstance(value, int):
         return UINT32, struct.pack("<I", value)
     return STRING, _string(value.encode() if isinstance(value, str) else value)
@@ -62,9 +64,9 @@ def _entries(r: _Raw, n_kv: int):
         yield key, vtype, start, vstart
 
 
-def edit_gguf(src: Path, dst: Path, changes: dict[str, str | bytes | int | None]) -> Path:
+def edit_gguf(src: Path, dst: Path, changes: dict[str, str | bytes | int | float | None]) -> Path:
     """Write `src` to `dst` with each key in `changes` set (a str or raw bytes as a string value, an int
-    as the type the key already has, or uint32 for a new key) or removed (None)."""
+    or a float as the type the key already has, else uint32 / float32) or removed (None)."""
     data = src.read_bytes()
     r = _Raw(data)
     magic, version, n_tensors, n_kv = r.take(4), r.u32(), r.u64(), r.u64()
@@ -78,7 +80,7 @@ def edit_gguf(src: Path, dst: Path, changes: dict[str, str | bytes | int | None]
             new = todo.pop(key)
             if new is None:
                 continue
-            if isinstance(new, int) and vtype in _FORMATS:
+            if isinstance(new, (int, float)) and vtype in _FORMATS:
                 entries.append(_string(key.encode()) + struct.pack("<I", vtype) + struct.pack(_FORMATS[vtype], new))
             else:
                 t, v = _value(new)
@@ -143,4 +145,96 @@ def first_layers(src: Path, dst: Path, keep: int) -> Path:
         f.write(header + b"\0" * pad)
         for c in chunks:
             f.write(c)
+    return dst
+
+
+def _pack_scalar(etype: int, value: int | float) -> bytes:
+    fmt = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 7: "<?", **_FORMATS}[etype]
+    return struct.pack(fmt, value)
+
+
+def edit_array(src: Path, dst: Path, key: str, keep: int | None = None,
+               items: list[int] | list[float] | None = None, etype: int | None = None,
+               strings: dict[int, str] | None = None) -> Path:
+    """Write `src` to `dst` with the array `key` cut to its first `keep` items, its strings at some
+    indices replaced (`strings`), or the whole value replaced by `items` (of item type `etype`, by default
+    the array's own; a scalar key becomes an array)."""
+    data = src.read_bytes()
+    r = _Raw(data)
+    magic, version, n_tensors, n_kv = r.take(4), r.u32(), r.u64(), r.u64()
+    entries: list[bytes] = []
+    alignment = 32
+    for k, vtype, start, vstart in _entries(r, n_kv):
+        if k == "general.alignment":
+            alignment = struct.unpack("<I", data[vstart:vstart + 4])[0]
+        if k != key:
+            entries.append(data[start:r.pos])
+            continue
+        sub = _Raw(data[vstart:r.pos])
+        old_type, count = (sub.u32(), sub.u64()) if vtype == ARRAY else (vtype, 1)
+        if items is None:
+            kept = []
+            for i in range(min(count, count if keep is None else keep)):
+                at = sub.pos
+                sub.skip_value(old_type)
+                kept.append(_string((strings or {})[i].encode()) if i in (strings or {}) else sub.data[at:sub.pos])
+            body = struct.pack("<IQ", old_type, len(kept)) + b"".join(kept)
+        else:
+            t = old_type if etype is None else etype
+            body = struct.pack("<IQ", t, len(items)) + b"".join(_pack_scalar(t, v) for v in items)
+        entries.append(_string(k.encode()) + struct.pack("<I", ARRAY) + body)
+    tensors_start = r.pos
+    for _ in range(n_tensors):
+        r.string()
+        n_dims = r.u32()
+        r.take(8 * n_dims + 4 + 8)
+    data_start = -(-r.pos // alignment) * alignment
+    header = magic + struct.pack("<IQQ", version, n_tensors, len(entries)) + b"".join(entries) + \
+        data[tensors_start:r.pos]
+    with dst.open("wb") as f:
+        f.write(header + b"\0" * (-len(header) % alignment))
+        f.write(memoryview(data)[data_start:])
+    return dst
+
+
+def edit_tensors(src: Path, dst: Path, drop: tuple[str, ...] = (), shapes: dict[str, tuple[int, ...]] | None = None,
+                 rename: dict[str, str] | None = None, fill: dict[str, bytes] | None = None) -> Path:
+    """Write `src` to `dst` with tensors left out of the table (`drop`, their data left in place), given
+    other dimensions (`shapes`) or names (`rename`), or their data overwritten with a repeated pattern
+    (`fill`, e.g. a float32 NaN)."""
+    data = bytearray(src.read_bytes())
+    r = _Raw(bytes(data))
+    magic, version, n_tensors, n_kv = r.take(4), r.u32(), r.u64(), r.u64()
+    alignment = 32
+    for k, _, _, vstart in _entries(r, n_kv):
+        if k == "general.alignment":
+            alignment = struct.unpack("<I", data[vstart:vstart + 4])[0]
+    kv_end = r.pos
+    infos = []
+    for _ in range(n_tensors):
+        name = r.string().decode()
+        n_dims = r.u32()
+        dims = tuple(r.u64() for _ in range(n_dims))
+        ggml_type, offset = r.u32(), r.u64()
+        infos.append((name, dims, ggml_type, offset))
+    data_start = -(-r.pos // alignment) * alignment
+    offsets = sorted(off for *_, off in infos) + [len(data) - data_start]
+    out = []
+    for name, dims, ggml_type, offset in infos:
+        if fill and name in fill:
+            end = offsets[offsets.index(offset) + 1]
+            pattern = fill[name]
+            span = end - offset
+            data[data_start + offset:data_start + end] = (pattern * (span // len(pattern) + 1))[:span]
+        if name in drop:
+            continue
+        dims = (shapes or {}).get(name, dims)
+        new_name = (rename or {}).get(name, name)
+        out.append(_string(new_name.encode()) + struct.pack("<I", len(dims)) +
+                   b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", ggml_type, offset))
+    header = bytes(data[:4]) + struct.pack("<IQQ", version, len(out), n_kv) + bytes(data[24:kv_end]) + b"".join(out)
+    assert magic == b"GGUF"
+    with dst.open("wb") as f:
+        f.write(header + b"\0" * (-len(header) % alignment))
+        f.write(memoryview(data)[data_start:])
     return dst

@@ -145,16 +145,19 @@ class Chat:
     def turn(self, text: str, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
              progress: Progress | None = None, started: float | None = None,
              on_prefix: PrefixHook | None = None, on_thought: TextSink | None = None,
-             inputs: TurnInputs = NO_INPUTS) -> TurnStats:
+             inputs: TurnInputs = NO_INPUTS, on_message: Callable[[], None] | None = None) -> TurnStats:
         """One exchange; `started` (perf_counter) is when the user's message arrived, for the TTFT;
         `on_prefix` is called once the KV holds exactly the prefix, if it is evaluated this turn;
         `on_thought` gets a reasoning model's thoughts as they stream (the answer goes to on_text);
-        `inputs`: what reached this turn from outside the chat."""
+        `inputs`: what reached this turn from outside the chat; `on_message`: called once the user's
+        message is recorded, before anything is evaluated (the session writes it to disk then)."""
         e = self.engine
         t0 = started if started is not None else time.perf_counter()
         st = TurnStats(turn=self.conv.turns + 1, n_ctx=e.n_ctx, kv_restored=inputs.kv_restored)
         self.prepare()
         laid = self._lay_out(text, st, inputs)
+        if on_message is not None:
+            on_message()
         prompt = self.conv.window_tokens()
         n_kv_before = e.n_kv
         e.reset_perf()
@@ -333,8 +336,10 @@ class Chat:
         return kept
 
     def retry(self, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
-              inputs: TurnInputs = NO_INPUTS) -> TurnStats | None:
-        return self.turn(self._drop_last(), on_text, cancelled, inputs=inputs) if self.conv.turns else None
+              inputs: TurnInputs = NO_INPUTS, on_message: Callable[[], None] | None = None) -> TurnStats | None:
+        if not self.conv.turns:
+            return None
+        return self.turn(self._drop_last(), on_text, cancelled, inputs=inputs, on_message=on_message)
 
     def new(self) -> None:
         """Start over; the KV keeps the shared system prefix for the next turn to reuse."""

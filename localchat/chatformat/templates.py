@@ -68,6 +68,8 @@ class ChatFormat:
         or its own rules is refused before any turn. One that refuses only the system role (Gemma 2,
         Mistral 7B v0.1) gets the system prompt folded into the first user message instead."""
         self.render(_PROBE, True)
+        self.first_turn(None, "")  # a template that loses the user's words or the replies is refused here
+        self.next_turn(None, "")
         try:
             self.render([{"role": "system", "content": "You are helpful."}, *_PROBE], True)
         except TemplateFailure as exc:
@@ -126,7 +128,8 @@ class ChatFormat:
     def _split(self, text: str, start: int) -> tuple[str, str]:
         i = text.find(USER_SENTINEL, start)
         if i < 0:
-            raise ModelError("the chat template drops the user's message; it cannot be used for chat")
+            raise TemplateFailure("the chat template drops the user's message; it cannot be used for chat; use a "
+                                  "GGUF with a chat template", "template")
         return text[start:i], text[i + len(USER_SENTINEL):]
 
     def first_turn(self, system: str | None, user: str) -> TurnText:
@@ -150,7 +153,8 @@ class ChatFormat:
             text = self.render(msgs, True)
             start = text.find(REPLY_SENTINEL)
             if start < 0:
-                raise ModelError("the chat template drops assistant replies; it cannot be used for chat")
+                raise TemplateFailure("the chat template drops assistant replies; it cannot be used for chat",
+                                      "template")
             self._next[key] = self._split(text, start + len(REPLY_SENTINEL))
         before, after = self._next[key]
         return TurnText(before, user, after)
@@ -160,8 +164,8 @@ def template_problem(template: str | None, invalid_utf8: bool = False) -> str:
     """Why a model file's chat template would be refused at load ("" when it would not)."""
     if invalid_utf8:
         return "the chat template is not valid UTF-8 text"
-    if not template:
-        return ""
+    if not isinstance(template, str) or not template:
+        return ""  # none, or not text: the fallback format serves (said when a chat loads the model)
     try:
         ChatFormat(template)
     except ModelError as exc:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import llama_cpp as lc
 
+from localchat.engine.loadlog import LOAD_LOG
 from localchat.engine.types import Device, EngineConfig
 
 log = logging.getLogger("localchat.engine")
@@ -39,6 +40,8 @@ def init_backend(verbose: bool) -> None:
         def _cb(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
             if text and b"buffer size" in text:
                 _BUFFER_LOG.append(text.decode("utf-8", errors="replace"))
+            if text and LOAD_LOG.active:
+                LOAD_LOG.feed(text.decode("utf-8", errors="replace"))
             if _VERBOSE[0] and text:
                 log.debug(text.decode("utf-8", errors="replace").rstrip("\n"))
 

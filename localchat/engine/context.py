@@ -14,12 +14,13 @@ from collections.abc import Callable, Generator
 import llama_cpp as lc
 
 from localchat.engine.backend import SEQ, buffers, context_params, init_backend, model_params, start_buffer_log
-from localchat.engine.sampling import drawer, make_sampler
+from localchat.engine.loadlog import LOAD_LOG, explain
+from localchat.engine.sampling import drawer, finite_logits, make_sampler
 from localchat.engine.speculative import Speculation, verify
 from localchat.engine.stepcost import StepCost
 from localchat.engine.types import Cancelled, EngineConfig, Generation, PrefillResult, SamplingConfig
 from localchat.engine.vocab import VocabText
-from localchat.errors import ModelError
+from localchat.errors import DamagedModel, ModelError
 
 
 class Engine(VocabText):
@@ -27,9 +28,13 @@ class Engine(VocabText):
         init_backend(config.verbose)
         self.config = config
         start_buffer_log()
-        self.model = lc.llama_model_load_from_file(config.model_path.encode(), model_params(config))
+        LOAD_LOG.start()
+        try:
+            self.model = lc.llama_model_load_from_file(config.model_path.encode(), model_params(config))
+        finally:
+            LOAD_LOG.stop()
         if not self.model:
-            raise ModelError(f"llama.cpp could not load {config.model_path} (run with --verbose for its log)")
+            raise ModelError(explain(config.model_path, LOAD_LOG.reason()))
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.ctx = lc.llama_init_from_model(self.model, context_params(config))
         # kind (model, KV, compute, output) -> buffer (CPU, CUDA0, CUDA_Host) -> bytes llama.cpp allocated
@@ -234,6 +239,19 @@ class Engine(VocabText):
             gen.stop_reason = gen.stop_reason or "max_tokens"
         finally:
             self._end_reply(started)
+
+    def check_finite(self) -> None:
+        """One token evaluated once per load, before any chat: a file whose weights give NaN or infinite
+        logits would write nonsense; say so instead. The KV is left empty."""
+        bos = lc.llama_vocab_bos(self.vocab)
+        self._decode([bos if bos >= 0 else 0], 0, want_logits=True)
+        finite = finite_logits(self.ctx, self.vocab)
+        self.clear()
+        if not finite:
+            name = self.config.model_path.rsplit("/", 1)[-1]
+            raise DamagedModel(f"{name}: the model file produced non-finite values (NaN or infinite logits): the "
+                               "file is damaged, or this llama.cpp mishandles its quantization; re-download it or "
+                               "try another quantization")
 
     def _evaluate_one(self, tok: int, inject: Callable[[], list[int]] | None, room: int, gen: Generation,
                       decoder: codecs.IncrementalDecoder) -> Generator[str, None, bool]:

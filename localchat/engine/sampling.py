@@ -68,3 +68,9 @@ def prime(chain: object, s: SamplingConfig, tokens: list[int]) -> None:
         lc.llama_sampler_reset(member)
         for tok in tokens[len(tokens) - min(window, len(tokens)):]:
             lc.llama_sampler_accept(member, tok)
+
+
+def finite_logits(ctx: object, vocab: object, i: int = -1) -> bool:
+    """Whether output i's logits are all finite numbers (a damaged file gives NaN or infinities)."""
+    n_vocab = lc.llama_vocab_n_tokens(vocab)
+    return bool(np.isfinite(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,))).all())

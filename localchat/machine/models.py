@@ -9,6 +9,7 @@ from pathlib import Path
 
 from localchat import paths
 from localchat.errors import ModelError
+from localchat.machine import modelcheck
 from localchat.machine.fetch import BUILTIN_MODELS, Report, cached_path, ensure_builtin
 from localchat.machine.gguf_file import GGML_TYPE_NAMES, GGUFInfo, read_gguf
 
@@ -24,6 +25,8 @@ FILE_TYPES = {
     23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
     29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4_MOE",
 }
+
+CANNOT_LOAD = "llama.cpp cannot load it"
 
 # llama.cpp's default sliding-window pattern per architecture, when the GGUF does not store one
 SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma-embedding": 6, "cohere2": 4, "gpt-oss": 2}
@@ -52,6 +55,13 @@ class ModelInfo:
     n_vocab: int
     n_head: int
     n_ff: int
+    notices: tuple[str, ...] = ()  # metadata of the wrong type, ignored (modelcheck.ignored)
+    problem: str = ""  # why llama.cpp would abort on the file ("" when nothing was found): it is not loaded
+
+    def check_loadable(self) -> None:
+        """Stop before llama.cpp reads a file it would abort on."""
+        if self.problem:
+            raise ModelError(f"{self.path.name}: {self.problem}")
 
     def kv_layer_bytes(self, type_k: str = "f16", type_v: str = "f16") -> list[float]:
         """Bytes one KV cell (one token) takes in each layer."""
@@ -86,9 +96,18 @@ def model_info(path: str | Path, gguf: GGUFInfo | None = None) -> ModelInfo:
     g = gguf or read_gguf(path)
     arch = g.get("general.architecture")
     if not arch:
-        raise ModelError(f"{g.path}: GGUF has no general.architecture; not a model file llama.cpp can run")
+        raise ModelError(f"{Path(g.path).name}: it has no general.architecture: not a model file llama.cpp can run")
+    problem = modelcheck.problem(g)
+    try:
+        return _describe(g, arch, f"{CANNOT_LOAD}: {problem}; {modelcheck.REMEDY}" if problem else "")
+    except (TypeError, ValueError, ZeroDivisionError, IndexError):  # metadata too damaged to describe
+        raise ModelError(f"{Path(g.path).name}: {CANNOT_LOAD}: {problem or 'its metadata is not understood'}; "
+                         f"{modelcheck.REMEDY}") from None
+
+
+def _describe(g: GGUFInfo, arch: str, problem: str) -> ModelInfo:
     a = lambda key, default=None: g.get(f"{arch}.{key}", default)  # noqa: E731
-    n_layer = int(a("block_count", 0))
+    n_layer = min(int(a("block_count", 0)), modelcheck.MAX_LAYERS + 1)  # a damaged count is described bounded
     n_embd = int(a("embedding_length", 0))
     n_head = a("attention.head_count", 1)
     n_head0 = n_head[0] if isinstance(n_head, list) else int(n_head)
@@ -124,15 +143,22 @@ def model_info(path: str | Path, gguf: GGUFInfo | None = None) -> ModelInfo:
             counts[t.ggml_type] = counts.get(t.ggml_type, 0) + t.n_elements
         quant = GGML_TYPE_NAMES.get(max(counts, key=counts.__getitem__), "?") if counts else "?"
     return ModelInfo(
-        path=Path(g.path), name=g.get("general.name") or Path(g.path).stem, arch=arch,
+        path=Path(g.path), name=_text(g.get("general.name")) or Path(g.path).stem, arch=arch,
         n_params=sum(t.n_elements for t in g.tensors), quant=quant, file_size=g.file_size,
         n_ctx_train=int(a("context_length", 0) or 0), n_layer=n_layer, n_embd=n_embd,
         n_head_kv=n_head_kv, head_dim_k=head_dim_k, head_dim_v=head_dim_v, n_swa=n_swa,
-        swa_layers=swa_layers, has_chat_template=bool(g.get("tokenizer.chat_template")),
+        swa_layers=swa_layers, has_chat_template=bool(_text(g.get("tokenizer.chat_template"))),
         tensor_bytes=total, layer_bytes=tuple(layer_bytes), output_bytes=output,
         n_vocab=g.array_lengths.get("tokenizer.ggml.tokens", 0), n_head=n_head0,
         n_ff=int((lambda v: max(v) if isinstance(v, list) else v)(a("feed_forward_length", 0)) or 0),
+        notices=tuple(modelcheck.ignored(g)),
+        problem=problem,
     )
+
+
+def _text(value: object) -> str:
+    """A metadata value that must be text, or "" when it is something else (checked and told apart)."""
+    return value if isinstance(value, str) else ""
 
 
 # ---------------------------------------------------------------- discovery

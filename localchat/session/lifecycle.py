@@ -106,7 +106,8 @@ class Session:
              progress: Progress | None = None, started: float | None = None,
              on_thought: TextSink | None = None) -> TurnStats:
         """One exchange; `started`: when the user pressed Enter (perf_counter), for the TTFT. A prefix
-        loaded from disk is part of the wait for the first token."""
+        loaded from disk is part of the wait for the first token. The user's message is on disk (fsynced)
+        before its reply starts: a kill -9 mid-reply keeps it."""
         started = time.perf_counter() if started is None else started
         self.rt.refit_threads()  # other programs may have started or stopped since the last turn
         cache, chat = self.prefix_cache, self.chat
@@ -119,7 +120,7 @@ class Session:
         spec, draft = chat.speculation, self.rt.draft
         before = (spec.model_drafted if spec else 0, draft.evaluated if draft else 0)
         st = self.chat.turn(text, on_text, cancelled, progress, started, on_prefix=on_prefix, on_thought=on_thought,
-                            inputs=self._take_inputs())
+                            inputs=self._take_inputs(), on_message=self.flush_events)
         st.extra["threads"], st.extra["threads_batch"] = self.rt.engine.threads
         if spec and draft:  # what the draft model wrote, and evaluated to follow the context (rebuilds included)
             st.extra["draft_model_tokens"] = spec.model_drafted - before[0]
@@ -128,7 +129,7 @@ class Session:
 
     def retry(self, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None) -> TurnStats | None:
         """The last exchange again, as a new turn (None when there is none)."""
-        return self.chat.retry(on_text, cancelled, inputs=self._take_inputs())
+        return self.chat.retry(on_text, cancelled, inputs=self._take_inputs(), on_message=self.flush_events)
 
     def _take_inputs(self) -> TurnInputs:
         """What the next turn is told, then forgotten: each is reported by one turn only."""

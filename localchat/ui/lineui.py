@@ -13,6 +13,7 @@ from localchat.chat.stats import TurnStats
 from localchat.errors import LocalchatError, TemplateFailure
 from localchat.session.lifecycle import Session
 from localchat.ui import slash, status
+from localchat.ui.hangup import Ending, Hangup
 
 
 class Interrupt:
@@ -41,59 +42,89 @@ def run_lines(ctl: Session, after_turn: Callable[[TurnStats], None],
               stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
               show_reasoning: bool = False) -> int:
     """The chat over lines: the answers on stdout, a reasoning model's thoughts on stderr with
-    show_reasoning (else not at all). The exit code: 0, or 2 when the model's chat template failed
-    mid-chat (a script must not take a chat that cannot go on for a success)."""
-    thought_open = False  # thoughts were written to stderr and their line is not ended yet
+    show_reasoning (else not at all). The exit code: 0; 2 when the model's chat template failed
+    mid-chat (a script must not take a chat that cannot go on for a success); 128 + the signal when
+    SIGHUP or SIGTERM ended it (the reply in flight kept as cut, everything saved by the caller)."""
+    out = _Output(stdout, stderr)
+    busy = [False]  # a turn or a command is running: a signal stops it; between turns it ends the reading
 
-    def end_thoughts() -> None:
-        nonlocal thought_open
-        if thought_open:
-            stderr.write("\n")
-            thought_open = False
-
-    def emit(text: str) -> None:
-        end_thoughts()
-        stdout.write(text)
-        stdout.flush()
-
-    def think(text: str) -> None:
-        nonlocal thought_open
-        stderr.write(text)
-        stderr.flush()
-        thought_open = True
+    def between_turns(_sig: int) -> None:
+        if not busy[0]:
+            raise Hangup
 
     if stdin is sys.stdin and hasattr(sys.stdin, "buffer"):
         # binary or non-UTF-8 input must not end the chat: undecodable bytes become U+FFFD
         stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace")
-    for raw in stdin:
-        line = raw.rstrip("\r\n")
-        if not line.strip():
-            continue
-        with Interrupt() as cancelled:
-            try:
-                if line.startswith("/"):
-                    out = slash.dispatch(slash.CommandContext(ctl, emit, cancelled), line)
-                else:
-                    out = ctl.turn(line, emit, cancelled, on_thought=think if show_reasoning else None)
-            except slash.Quit:
-                return 0
-            except TemplateFailure as exc:
-                stderr.write(f"localchat: {exc}\n")
-                return 2
-            except LocalchatError as exc:
-                out = f"localchat: {exc}"
-        if not isinstance(out, TurnStats):  # a message (refilling the input line needs the terminal UI)
-            if isinstance(out, str) and out:
-                stderr.write(out.rstrip("\n") + "\n")
-            continue
-        end_thoughts()
-        stdout.write("\n")
-        stdout.flush()
+    with Ending(between_turns) as ending:
         try:
-            after_turn(out)  # the history's official form is rendered here: the template may fail now
+            for raw in stdin:
+                busy[0] = True
+                code = _line(ctl, raw.rstrip("\r\n"), after_turn, out, show_reasoning, ending)
+                busy[0] = False
+                if code is not None or ending:
+                    return ending.exit_code if ending else code or 0
+        except Hangup:
+            pass
+    return ending.exit_code
+
+
+class _Output:
+    """stdout for the answers, stderr for the rest; a reasoning model's thoughts end their line before
+    the answer starts."""
+
+    def __init__(self, stdout: TextIO, stderr: TextIO):
+        self.stdout, self.stderr = stdout, stderr
+        self.thought_open = False  # thoughts were written to stderr and their line is not ended yet
+
+    def end_thoughts(self) -> None:
+        if self.thought_open:
+            self.stderr.write("\n")
+            self.thought_open = False
+
+    def emit(self, text: str) -> None:
+        self.end_thoughts()
+        self.stdout.write(text)
+        self.stdout.flush()
+
+    def think(self, text: str) -> None:
+        self.stderr.write(text)
+        self.stderr.flush()
+        self.thought_open = True
+
+    def note(self, text: str) -> None:
+        self.stderr.write(text.rstrip("\n") + "\n")
+        self.stderr.flush()
+
+
+def _line(ctl: Session, line: str, after_turn: Callable[[TurnStats], None], out: _Output, show_reasoning: bool,
+          ending: Ending) -> int | None:
+    """One input line: a turn or a command. An exit code when the chat must end here, else None."""
+    if not line.strip():
+        return None
+    with Interrupt() as interrupted:
+        cancelled = lambda: interrupted() or bool(ending)  # noqa: E731
+        try:
+            if line.startswith("/"):
+                result = slash.dispatch(slash.CommandContext(ctl, out.emit, cancelled), line)
+            else:
+                result = ctl.turn(line, out.emit, cancelled, on_thought=out.think if show_reasoning else None)
+        except slash.Quit:
+            return 0
         except TemplateFailure as exc:
-            stderr.write(f"localchat: {exc}\n")
+            out.note(f"localchat: {exc}")
             return 2
-        stderr.write(status.summary_line(out) + "\n")
-        stderr.flush()
-    return 0
+        except LocalchatError as exc:
+            result = f"localchat: {exc}"
+    if not isinstance(result, TurnStats):  # a message (refilling the input line needs the terminal UI)
+        if isinstance(result, str) and result:
+            out.note(result)
+        return None
+    out.end_thoughts()
+    out.emit("\n")
+    try:
+        after_turn(result)  # the history's official form is rendered here: the template may fail now
+    except TemplateFailure as exc:
+        out.note(f"localchat: {exc}")
+        return 2
+    out.note(status.summary_line(result))
+    return None

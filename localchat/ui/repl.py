@@ -30,7 +30,7 @@ from prompt_toolkit.shortcuts import print_formatted_text
 from localchat.chat.stats import TurnStats
 from localchat.errors import LocalchatError
 from localchat.session.lifecycle import Session
-from localchat.ui import slash, status
+from localchat.ui import hangup, slash, status
 from localchat.ui.liveview import STYLE, LiveReply
 from localchat.ui.scheduler import Scheduler
 
@@ -72,6 +72,7 @@ class Repl:
         self.terminal: TextIO | None = sys.stdout if output is None else None  # /copy writes OSC 52 here
         self.refill = ""  # text a command (/edit) put in the next input line
         self.scheduler = Scheduler(ctl)
+        self.ending = 0  # SIGHUP or SIGTERM asked the chat to end: the reply in flight stops, then the loop
         self.session: PromptSession = self._prompt_session()
         self.session.default_buffer.on_text_changed += self._typed_changed
 
@@ -168,11 +169,23 @@ class Repl:
             text = "\n".join(line[:200] for line in lines[:rows]) + (" [...]" if len(lines) > rows else "")
             self.print(("> " if m.role == "user" else "") + text, "class:info")
 
+    def _hang_up(self, signum: int) -> None:
+        """A closed terminal, a logout, a shutdown: stop the reply in flight as Ctrl-C does, then leave (the
+        caller saves)."""
+        self.ending = self.ending or signum
+        self.cancel.set()
+        if self.session.app.is_running:
+            self.session.app.exit(exception=EOFError())
+
     async def run_async(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # signals reach only the main thread's loop
+            loop = asyncio.get_running_loop()
+            for sig in hangup.SIGNALS:
+                loop.add_signal_handler(sig, self._hang_up, sig)
         self.print(f"localchat: {self.ctl.rt.model.name} | /help for commands, Ctrl-D to quit", "class:info")
         self._where_you_were()
         pending = ""
-        while True:
+        while not self.ending:
             if self.queued:  # sent with Enter while the last reply streamed: it goes now
                 line, entered = self.queued.pop(0), time.perf_counter()
                 self.print("> " + line, "class:prompt")
@@ -210,7 +223,8 @@ class Repl:
                 self.print(f"localchat: {exc}", "class:cut")
             pending, self.refill = self.refill or typeahead.text, ""
         self.scheduler.close()
-        self.print("saving...", "class:info")
+        if not self.ending:
+            self.print("saving...", "class:info")
 
     async def _command(self, line: str, typeahead: Buffer) -> str:
         cmd = slash.lookup(line)
@@ -232,6 +246,17 @@ class Repl:
         return out or ""
 
 
-def run(ctl: Session, after_turn: AfterTurn, view: status.ViewPrefs | None = None) -> None:
-    asyncio.run(Repl(ctl, after_turn, view=view).run_async())
+def run(ctl: Session, after_turn: AfterTurn, view: status.ViewPrefs | None = None) -> int:
+    """The terminal UI until Ctrl-D, /quit, SIGHUP or SIGTERM; the exit code (128 + the signal, or 0)."""
+    repl = Repl(ctl, after_turn, view=view)
+    try:
+        asyncio.run(repl.run_async())
+    except OSError:
+        if not repl.ending:
+            raise
+        # the terminal is gone with the window: writes to it fail, and the chat still saves
+    finally:
+        repl.cancel.set()  # whatever ended the loop, the engine's thread stops before the session saves
+        repl.scheduler.close()
+    return 128 + repl.ending if repl.ending else 0
 
