@@ -1,6 +1,7 @@
 """Run the reliability suite and write its figures to docs/RELIABILITY.md.
 
-usage: python scripts/reliability_report.py   (about 6 minutes on 2 cores)
+usage: python scripts/reliability_report.py   (runs tests/reliability, about 8 minutes on 2 cores)
+       python scripts/reliability_report.py --from ROWS SECONDS EXIT_CODE   (from a run already made)
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ CLASSES = {
 }
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    """No arguments: run the suite. `--from ROWS SECONDS EXIT_CODE`: the rows a run with
+    LOCALCHAT_RELIABILITY_REPORT=ROWS wrote (the whole suite, say), its time and exit code."""
+    if argv[:1] == ["--from"]:
+        rows = [json.loads(x) for x in Path(argv[1]).read_text().splitlines()]
+        return write(rows, float(argv[2]), int(argv[3]))
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
         report = Path(f.name)
     t0 = time.time()
@@ -37,13 +43,17 @@ def main() -> int:
     took = time.time() - t0
     rows = [json.loads(x) for x in report.read_text().splitlines()]
     report.unlink()
+    return write(rows, took, r.returncode)
+
+
+def write(rows: list[dict], took: float, returncode: int) -> int:
     by_class: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         by_class[row["class"]].append(row)
     lines = ["# Reliability", "",
              "Regenerate with `python scripts/reliability_report.py` (runs `pytest tests/reliability`; part of CI).",
              f"Last run: {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} cores, "
-             f"{took:.0f} s, pytest exit code {r.returncode}.", "",
+             f"{took:.0f} s, pytest exit code {returncode}.", "",
              "| class | cases tried | failures |", "|---|---:|---:|"]
     total_tried = total_failed = 0
     for cls, title in CLASSES.items():
@@ -100,8 +110,8 @@ def main() -> int:
               "limit in a subprocess as a full disk, locks, session names with `../` and absolute paths)."]
     (ROOT / "docs" / "RELIABILITY.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12]))
-    return r.returncode
+    return returncode
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -91,17 +91,22 @@ def edit_gguf(src: Path, dst: Path, changes: dict[str, str | bytes | int | float
         if new is not None:
             t, v = _value(new)
             entries.append(_string(key.encode()) + struct.pack("<I", t) + v)
+    return _rewrite(dst, data, r, magic + struct.pack("<IQ", version, n_tensors), entries, n_tensors, alignment)
+
+
+def _rewrite(dst: Path, data: bytes, r: _Raw, head: bytes, entries: list[bytes], n_tensors: int,
+             alignment: int) -> Path:
+    """`dst`: the header `head` (magic, version, tensor count), new metadata `entries`, then the tensor table
+    the reader `r` stands at and the tensor data, copied as they are."""
     tensors_start = r.pos
     for _ in range(n_tensors):
         r.string()
         n_dims = r.u32()
         r.take(8 * n_dims + 4 + 8)
-    tensor_infos = data[tensors_start:r.pos]
     data_start = -(-r.pos // alignment) * alignment
-    header = magic + struct.pack("<IQQ", version, n_tensors, len(entries)) + b"".join(entries) + tensor_infos
-    pad = -len(header) % alignment
+    header = head + struct.pack("<Q", len(entries)) + b"".join(entries) + data[tensors_start:r.pos]
     with dst.open("wb") as f:
-        f.write(header + b"\0" * pad)
+        f.write(header + b"\0" * (-len(header) % alignment))
         f.write(memoryview(data)[data_start:])
     return dst
 
@@ -183,18 +188,7 @@ def edit_array(src: Path, dst: Path, key: str, keep: int | None = None,
             t = old_type if etype is None else etype
             body = struct.pack("<IQ", t, len(items)) + b"".join(_pack_scalar(t, v) for v in items)
         entries.append(_string(k.encode()) + struct.pack("<I", ARRAY) + body)
-    tensors_start = r.pos
-    for _ in range(n_tensors):
-        r.string()
-        n_dims = r.u32()
-        r.take(8 * n_dims + 4 + 8)
-    data_start = -(-r.pos // alignment) * alignment
-    header = magic + struct.pack("<IQQ", version, n_tensors, len(entries)) + b"".join(entries) + \
-        data[tensors_start:r.pos]
-    with dst.open("wb") as f:
-        f.write(header + b"\0" * (-len(header) % alignment))
-        f.write(memoryview(data)[data_start:])
-    return dst
+    return _rewrite(dst, data, r, magic + struct.pack("<IQ", version, n_tensors), entries, n_tensors, alignment)
 
 
 def edit_tensors(src: Path, dst: Path, drop: tuple[str, ...] = (), shapes: dict[str, tuple[int, ...]] | None = None,
