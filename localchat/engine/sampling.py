@@ -54,7 +54,12 @@ def drawer(chain: object, ctx: object, vocab: object) -> Callable[[int], int]:
     if not is_greedy(chain):
         return lambda i: lc.llama_sampler_sample(chain, ctx, i)
     n_vocab = lc.llama_vocab_n_tokens(vocab)
-    return lambda i: int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).argmax())
+    return lambda i: int(logits(ctx, i, n_vocab).argmax())
+
+
+def logits(ctx: object, i: int, n_vocab: int) -> np.ndarray:
+    """Output i's logits, read in place (no copy)."""
+    return np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,))
 
 
 def prime(chain: object, s: SamplingConfig, tokens: list[int]) -> None:
@@ -72,5 +77,4 @@ def prime(chain: object, s: SamplingConfig, tokens: list[int]) -> None:
 
 def finite_logits(ctx: object, vocab: object, i: int = -1) -> bool:
     """Whether output i's logits are all finite numbers (a damaged file gives NaN or infinities)."""
-    n_vocab = lc.llama_vocab_n_tokens(vocab)
-    return bool(np.isfinite(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,))).all())
+    return bool(np.isfinite(logits(ctx, i, lc.llama_vocab_n_tokens(vocab))).all())

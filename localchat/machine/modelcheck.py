@@ -125,7 +125,7 @@ class _Hparams:
         if not isinstance(kv, list):
             return
         kv_at = _layers(kv, n_layer)
-        dim_k = self._int("attention.key_length") or n_embd // max(heads_at[0], 1)  # layer 0's, as llama.cpp
+        dim_k = self._head_size() if heads_at[0] > 0 else n_embd
         dim_v = self._int("attention.value_length") or dim_k
         for i in range(n_layer):
             for tensor, want in ((f"blk.{i}.attn_k.weight", dim_k * kv_at[i]), (f"blk.{i}.attn_v.weight",
@@ -148,10 +148,7 @@ class _Hparams:
         scaling = self.get("rope.scaling.type")
         if self.has("rope.scaling.type") and scaling not in ROPE_SCALINGS:
             yield f"{self.arch}.rope.scaling.type is {scaling!r}; llama.cpp knows {', '.join(ROPE_SCALINGS)}"
-        heads = self.get("attention.head_count")
-        h = heads[0] if isinstance(heads, list) and heads else heads
-        head_dim = self._int("attention.key_length") or (
-            self._int("embedding_length") // h if isinstance(h, int) and h > 0 else 0)
+        head_dim = self._head_size()
         for key, size in (("rope.dimension_count", head_dim),
                           ("rope.dimension_count_swa", self._int("attention.key_length_swa") or head_dim)):
             n_rot = self.get(key)
@@ -161,6 +158,12 @@ class _Hparams:
             eps = self.get(key)
             if self.has(key) and not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
                 yield f"{self.arch}.{key} is {eps!r}; it must be a small positive number"
+
+    def _head_size(self) -> int:
+        """A key head's size as llama.cpp takes it: key_length, or the embedding over layer 0's head count
+        (0 when there are no heads to divide by)."""
+        heads = _layers(self.get("attention.head_count"), 1)[0]
+        return self._int("attention.key_length") or (self._int("embedding_length") // heads if heads > 0 else 0)
 
     def _int(self, key: str) -> int:
         value = self.get(key, 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from localchat.chat import transcript
 from localchat.chat.stats import TurnStats
@@ -94,7 +95,7 @@ class Session:
         if len(window) - engine.n_kv > 1 and len(window) <= engine.n_ctx:
             missing, took = self.kv.rebuild(window, self._rebuild_progress)
             self.report(f"\rKV rebuilt: {missing} tokens in {took:.2f} s" + " " * 10)
-            self._next = TurnInputs(kv_restored=self._next.kv_restored)  # rebuilt: nothing left to explain
+            self._next = replace(self._next, miss_cause="")  # rebuilt: nothing left to explain
         chat.warm_next_head()
 
     def _rebuild_progress(self, done: int, total: int) -> None:
@@ -134,7 +135,7 @@ class Session:
     def _take_inputs(self) -> TurnInputs:
         """What the next turn is told, then forgotten: each is reported by one turn only."""
         stored = self.prefix_cache.take_loaded() if self.prefix_cache is not None else 0
-        inputs, self._next = TurnInputs(self._next.kv_restored, stored, self._next.miss_cause), NO_INPUTS
+        inputs, self._next = replace(self._next, store_tokens=stored), NO_INPUTS
         return inputs
 
     @property
@@ -144,7 +145,7 @@ class Session:
 
     def note_restored(self) -> None:
         """The caller loaded this session's state into the engine itself (the benchmark times a load)."""
-        self._next = TurnInputs(kv_restored=True, miss_cause=self._next.miss_cause)
+        self._next = replace(self._next, kv_restored=True)
 
     def after_turn(self, st: TurnStats) -> None:
         """Persist the transcript now (fsync); the KV when its copy fits the autosave budget."""
