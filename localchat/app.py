@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from localchat import runtime
 from localchat.chat import attaching
 from localchat.chat.stats import TurnStats
 from localchat.session import lifecycle
-from localchat.ui import status
+from localchat.tools.builtin import Toolbox
+from localchat.tools.rooted import Root
+from localchat.ui import approval, status
 
 
 def _report(text: str) -> None:
@@ -21,6 +24,14 @@ def _report(text: str) -> None:
         sys.stderr.flush()
     except OSError:
         pass  # the terminal closed with its window: what is saved does not depend on being told
+
+
+def _offer_tools(rt: runtime.Runtime) -> None:
+    """The built-in tools, rooted at the working directory; calls not approved in advance are denied."""
+    p = rt.profile
+    box = Toolbox(Root(Path.cwd()), approval.pre_approved_only(_report), allowed=set(p.allow_tools),
+                  timeout=p.tool_timeout, report=_report)
+    rt.chat.enable_tools(box, p.max_tool_calls, rt.model.path.name)
 
 
 def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
@@ -33,6 +44,8 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             _report("localchat: this model's template has no system role: the system prompt goes into the "
                     "first user message (as llama.cpp and Ollama do)")
         interactive = sys.stdin.isatty() and sys.stdout.isatty()
+        if profile.tools:
+            _offer_tools(rt)
         # the terminal UI works ahead while the user reads and types; line mode has no such time
         ctl = lifecycle.Session.open(rt, args, _report, background=interactive)
         for line in attaching.add(rt.chat, args.attach) if args.attach else []:
@@ -41,8 +54,8 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
         def after_turn(st: TurnStats) -> None:
             ctl.after_turn(st)
-            if stats_file:
-                stats_file.write(json.dumps(st.to_json()) + "\n")
+            if stats_file:  # a tool loop's steps first, one row each
+                stats_file.write("".join(json.dumps(s.to_json()) + "\n" for s in [*st.steps, st]))
                 stats_file.flush()
 
         code = 0

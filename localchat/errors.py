@@ -36,3 +36,7 @@ class TemplateFailure(ModelError):
 
 class DamagedModel(ModelError):
     """The model file loaded but computes nonsense (non-finite logits): the chat cannot go on with it."""
+
+
+class ToolsUnsupported(LocalchatError):
+    """Tools were asked for and the model's template takes none; the message names the model."""

@@ -6,6 +6,7 @@ import os
 import threading
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 PRIVATE_FILE = 0o600
 
@@ -33,3 +34,38 @@ def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+# folders a walk never enters: version control, dependencies, caches, build output
+ALWAYS_SKIPPED = {".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv", ".mypy_cache",
+                  ".pytest_cache", ".ruff_cache", ".tox", "dist", "build"}
+
+
+def _ignored(root: Path) -> object | None:
+    """A matcher for the directory's .gitignore (None when it has none)."""
+    gitignore = root / ".gitignore"
+    if not gitignore.is_file():
+        return None
+    import pathspec
+
+    try:
+        return pathspec.GitIgnoreSpec.from_lines(gitignore.read_text(errors="replace").splitlines())
+    except (OSError, ValueError):
+        return None
+
+
+def walk_files(root: Path, most: int) -> list[Path]:
+    """The files under `root`, sorted, skipping hidden ones, those its .gitignore ignores and the folders
+    above; the walk stops once more than `most` are found."""
+    spec: Any = _ignored(root)
+    found: list[Path] = []
+    for here, dirs, files in os.walk(root):
+        rel_dir = Path(here).relative_to(root)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ALWAYS_SKIPPED
+                         and not (spec and spec.match_file(f"{rel_dir / d}/")))
+        for f in sorted(files):
+            if not f.startswith(".") and not (spec and spec.match_file(str(rel_dir / f))):
+                found.append(Path(here) / f)
+        if len(found) > most:
+            break
+    return found

@@ -46,6 +46,8 @@ def _add(p: argparse.ArgumentParser, key: str, r: Rule) -> None:
         kw.update(type=_value_type(key), choices=r.choices or None)
         if r.const is not None:
             kw.update(nargs="?", const=r.const)
+        if kw["type"] is _servers:  # repeatable: --allow-tool a --allow-tool b,c
+            kw.update(action="extend")
         if kw["type"] is _int_or_auto:
             kw["metavar"] = "N|auto"
         elif kw["type"] is _servers:
@@ -72,6 +74,7 @@ def profile_args(p: argparse.ArgumentParser) -> None:
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The profile settings given on the command line: every option named after a profile key."""
     o = {k: getattr(args, k) for k in SETTING_KEYS if hasattr(args, k)}
+    o.update({k: tuple(v) for k, v in o.items() if isinstance(v, list)})  # repeated options: lists
     if o.get("n_threads") is not None:  # --threads is for tokens and prompt batches alike
         o["n_threads_batch"] = o["n_threads"]
     if getattr(args, "kv_type", None):

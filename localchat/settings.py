@@ -145,6 +145,17 @@ class Profile:
                              help="draft from the conversation's own text and verify in batches (auto: where it pays)")
     draft_model: str | None = setting(None, "a GGUF path or a model name", flag="--draft-model",
                                       help="a small model of the same vocabulary that drafts tokens")
+    tools: bool = setting(False, flag="--tools", chat_only=True,
+                          help="offer the built-in tools (read_file, list_files, search_text, write_file, edit_file, "
+                               "run_command), rooted at the working directory; calls of tools not in allow_tools "
+                               "are denied")
+    allow_tools: tuple[str, ...] = setting(
+        (), "a list of tool names", lambda v: len(v) <= 64 and all(isinstance(x, str) for x in v),
+        flag="--allow-tool", chat_only=True, help="tools that run without asking (line mode runs only these)")
+    max_tool_calls: int = setting(10, "a number of calls, 1 to 1000", lambda v: 1 <= v <= 1000,
+                                  help="calls one reply may make before you are asked whether to go on")
+    tool_timeout: float = setting(60.0, "a number of seconds, above 0", lambda v: 0 < v <= 86400,
+                                  help="seconds a tool call may run before it is stopped")
     history: str = setting("official", choices=HISTORY, flag="--history", chat_only=True,
                            help="official: earlier turns converge to the chat template's own form while you read; "
                                 "as-sampled: kept as the model wrote them")

@@ -17,7 +17,7 @@ ROOT = Path(localchat.__file__).parent
 # rows, never one of its own row but itself
 LAYERS: list[set[str]] = [
     {"errors", "paths", "fsutil", "settings"},
-    {"chatformat", "machine", "engine"},
+    {"chatformat", "machine", "engine", "tools"},
     {"chat"},
     {"runtime"},
     {"session"},

@@ -35,11 +35,13 @@ SCRIPTS = {  # replies with thoughts, in each reasoning format
 }
 
 
-def forced_reply(engine, text: str | None):
-    """The next reply is `text` and the end-of-turn token (the bench's forcing), or what greedy sampling gives."""
+def forced_reply(engine, text: str | None, *more: str):
+    """The next reply is `text` and the end-of-turn token (the bench's forcing), the replies after it `more`,
+    or what greedy sampling gives."""
     if text is None:
         return contextlib.nullcontext()
-    return forced(engine, engine.tokenize(text, special=True) + [next(t for t in range(64) if engine.is_eog(t))])
+    eog = next(t for t in range(64) if engine.is_eog(t))
+    return forced(engine, *(engine.tokenize(t, special=True) + [eog] for t in (text, *more)))
 
 
 def kv_text(engine, tokens) -> str:

@@ -41,12 +41,18 @@ THINK_TEMPLATE = (  # ChatML that drops the thoughts of earlier replies, as Qwen
 
 
 @contextlib.contextmanager
-def forced_reply(engine: Engine, tokens: list[int]) -> Iterator[None]:
-    """The next reply is `tokens`, produced as sampling produces a reply (each token evaluated before
-    the next, the last left pending): reasoning that a small model would not write."""
+def forced_reply(engine: Engine, tokens: list[int], *more: list[int]) -> Iterator[None]:
+    """The next reply is `tokens` (and those after it `more`, in order; then `tokens` again), produced as
+    sampling produces a reply (each token evaluated before the next, the last left pending): reasoning or
+    tool calls that a small model would not write."""
+    queue = [tokens, *more]
+    turn = [0]
+
     def generate(sampler: object, max_tokens: int, gen: Generation, cancelled: Callable[[], bool] | None = None,
                  inject: Callable[[], list[int]] | None = None, spec: object = None) -> Generator[str, None, None]:
-        for tok in tokens:
+        reply = queue[min(turn[0], len(queue) - 1)] if turn[0] < len(queue) else tokens
+        turn[0] += 1
+        for tok in reply:
             gen.last_token_at = time.perf_counter()
             gen.first_token_at = gen.first_token_at or gen.last_token_at
             engine.tokens.append(tok)

@@ -35,6 +35,7 @@ class ChatView(Protocol):
     def history_mode(self) -> str: ...
     def template_tokens(self, text: str, first: bool = False) -> list[int]: ...
     def head_tokens(self) -> list[int]: ...
+    def result_written(self, text: str) -> str: ...
 
 
 STEP_SECONDS = 0.05  # one batch of idle work: what Enter may have to wait for
@@ -111,7 +112,8 @@ class Ahead:
     def _official_head(self) -> list[int]:
         chat = self.chat
         text = official.official_prefix(chat.fmt, chat.engine, chat.conv)
-        lay = official.layout(chat.fmt, chat.engine, chat.conv, chat.template_tokens, text) if text else None
+        lay = official.layout(chat.fmt, chat.engine, chat.conv, chat.template_tokens, text,
+                                                  chat.result_written) if text else None
         if lay is None:
             if not self.told_failure:
                 self.failed = "the template's official form could not be laid over the history; kept as sampled"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Message:
-    role: str  # user or assistant
+    role: str  # user, assistant or tool (a tool's result)
     content: str
     tokens: list[int] = field(default_factory=list)  # user: words + generation prompt; reply: as sampled
     head: list[int] = field(default_factory=list)  # user: closing of the previous reply + user header
@@ -23,6 +23,9 @@ class Message:
     raw: str = ""  # a reply as sampled, special tokens written out (its thoughts, channels); templates get this
     reasoning: str = ""  # a reply's thoughts (its content is the answer)
     documents: list[dict] = field(default_factory=list)  # user: files whose blocks open the content, in order
+    calls: list[dict] = field(default_factory=list)  # assistant: the tool calls it made ({name, arguments, id})
+    call_at: int = -1  # assistant: where its calls start in `raw` (the text before them is its content)
+    call: dict = field(default_factory=dict)  # tool: the call this result answers ({name, id}) and its status
 
     @property
     def doc_chars(self) -> int:
@@ -43,7 +46,10 @@ class Message:
         d = {"role": self.role, "content": self.content, "tokens": list(self.tokens), "head": list(self.head),
              "cut": self.cut, "in_window": self.in_window, "pinned": self.pinned}
         d.update({k: v for k, v in (("raw", self.raw), ("reasoning", self.reasoning),
-                                    ("documents", self.documents)) if v})
+                                    ("documents", self.documents), ("calls", self.calls),
+                                    ("call", self.call)) if v})
+        if self.calls:
+            d["call_at"] = self.call_at
         return d
 
 
@@ -70,7 +76,7 @@ class Conversation:
         """The tokens the KV should hold, rebuilt from the transcript."""
         out = list(self.prefix)
         for i, m in enumerate(self._window()):
-            if m.role == "user" and i > 0:
+            if m.role != "assistant" and i > 0:
                 out.extend(m.head)
             out.extend(m.tokens)
         return out
@@ -87,6 +93,8 @@ class Conversation:
                     pos += len(m.head)
                     spans[-1][2] = pos
                 spans.append([idx, pos, pos])
+            elif m.role == "tool":
+                pos += len(m.head)
             pos += len(m.tokens)
             spans[-1][2] = pos
         return [(a, b, c) for a, b, c in spans]
@@ -96,8 +104,14 @@ class Conversation:
         self.messages.append(m)
         return m
 
-    def add_reply(self, text: str, tokens: list[int], cut: bool, reasoning: str = "") -> Message:
-        m = Message("assistant", text, tokens=list(tokens), cut=cut, reasoning=reasoning)
+    def add_reply(self, text: str, tokens: list[int], cut: bool, reasoning: str = "",
+                  calls: list[dict] | None = None) -> Message:
+        m = Message("assistant", text, tokens=list(tokens), cut=cut, reasoning=reasoning, calls=list(calls or []))
+        self.messages.append(m)
+        return m
+
+    def add_result(self, text: str, head: list[int], tokens: list[int], call: dict) -> Message:
+        m = Message("tool", text, tokens=list(tokens), head=list(head), call=dict(call))
         self.messages.append(m)
         return m
 
@@ -128,7 +142,10 @@ class Conversation:
 
     def evict(self, user_indices: list[int], n_tokens: int) -> None:
         for idx in user_indices:
-            for m in self.messages[idx:idx + 2]:
+            self.messages[idx].in_window = False
+            for m in self.messages[idx + 1:]:  # its reply, and the tool calls and results of the exchange
+                if m.role == "user":
+                    break
                 m.in_window = False
         self.tokens_left_window += n_tokens
 

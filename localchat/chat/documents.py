@@ -16,12 +16,11 @@ from pathlib import Path
 
 from localchat.chat.conversation import Message
 from localchat.errors import DocumentError
+from localchat.fsutil import walk_files
 
 MAX_FILES = 200  # a directory with more is refused: a glob narrows it
 MAX_BYTES = 16 << 20  # one file; far beyond any context, and read before its tokens are counted
 SNIFF_BYTES = 8192  # a NUL byte in the first block marks a binary, as git and grep decide
-ALWAYS_SKIPPED = {".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv", ".mypy_cache",
-                  ".pytest_cache", ".ruff_cache", ".tox", "dist", "build"}
 
 
 def frame(name: str, text: str) -> str:
@@ -124,34 +123,6 @@ def read_file(path: Path, name: str) -> Document:
     return Document(name, frame(name, text.replace("\r\n", "\n")), hashlib.sha256(data).hexdigest())
 
 
-def _ignored(root: Path):
-    """A matcher for the directory's .gitignore (None when it has none)."""
-    gitignore = root / ".gitignore"
-    if not gitignore.is_file():
-        return None
-    import pathspec
-
-    try:
-        return pathspec.GitIgnoreSpec.from_lines(gitignore.read_text(errors="replace").splitlines())
-    except (OSError, ValueError):
-        return None
-
-
-def _walk(root: Path) -> list[Path]:
-    spec = _ignored(root)
-    found: list[Path] = []
-    for here, dirs, files in os.walk(root):
-        rel_dir = Path(here).relative_to(root)
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in ALWAYS_SKIPPED
-                         and not (spec and spec.match_file(f"{rel_dir / d}/")))
-        for f in sorted(files):
-            if not f.startswith(".") and not (spec and spec.match_file(str(rel_dir / f))):
-                found.append(Path(here) / f)
-        if len(found) > MAX_FILES:
-            break
-    return found
-
-
 def _expand(spec: str) -> tuple[list[tuple[Path, str]], bool]:
     """(file, name) pairs a path, directory or glob names; True when binaries may be skipped quietly."""
     path = Path(os.path.expanduser(spec))
@@ -161,7 +132,7 @@ def _expand(spec: str) -> tuple[list[tuple[Path, str]], bool]:
             raise DocumentError(f"{spec}: no file matches")
         return [(p, str(p)) for p in matches], True
     if path.is_dir():
-        files = _walk(path)
+        files = walk_files(path, MAX_FILES)
         if not files:
             raise DocumentError(f"{spec}: no text files in this directory")
         base = path.resolve().parent

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from localchat.chat.conversation import Conversation, Message
 from localchat.chatformat import reasoning
@@ -54,10 +54,25 @@ def reply_text(vocab: Vocab, m: Message) -> str:
     return m.raw or raw_reply(vocab, m.tokens)
 
 
-def template_messages(fmt: ChatFormat, vocab: Vocab, messages: list[Message]) -> list[dict[str, str]]:
+def template_message(style: str, vocab: Vocab, m: Message) -> dict[str, Any]:
+    """A message as the template takes it: a reply's raw text (its calls apart, as `tool_calls`), a result
+    with the call it answers."""
+    if m.role == "user":
+        return {"role": "user", "content": m.content}
+    if m.role == "tool":
+        return {"role": "tool", "tool_call_id": m.call.get("id", ""), "name": m.call.get("name", ""),
+                "content": m.content}
+    if not m.calls:
+        return reasoning.template_message(style, reply_text(vocab, m))
+    out: dict[str, Any] = reasoning.template_message(style, reply_text(vocab, m)[:max(0, m.call_at)].strip())
+    out["tool_calls"] = [{"id": c.get("id", ""), "type": "function",
+                          "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in m.calls]
+    return out
+
+
+def template_messages(fmt: ChatFormat, vocab: Vocab, messages: list[Message]) -> list[dict[str, Any]]:
     style = reasoning.detect(fmt.source)
-    return [{"role": "user", "content": m.content} if m.role == "user"
-            else reasoning.template_message(style, reply_text(vocab, m)) for m in messages]
+    return [template_message(style, vocab, m) for m in messages]
 
 
 def official_prefix(fmt: ChatFormat, vocab: Vocab, conv: Conversation) -> str | None:
@@ -91,16 +106,17 @@ def _text(vocab: Vocab, tokens: list[int]) -> str:
 
 
 def layout(fmt: ChatFormat, vocab: Vocab, conv: Conversation, template_tokens: Callable[[str, bool], list[int]],
-           text: str) -> Layout | None:
+           text: str, written: Callable[[str], str] = lambda r: r) -> Layout | None:
     """Lay the official text `text` (from official_prefix) over the window's messages; None when a
     content cannot be found in it. `template_tokens(text, first)` tokenizes template text (the first
-    segment with the BOS rule)."""
+    segment with the BOS rule); `written(result)` is a tool result as the template writes it."""
     window = [m for m in conv.messages if m.in_window]
     style = reasoning.detect(fmt.source)
     # the text cut into template text and contents: T0 C0 T1 C1 ... Cn-1 Tn
     cursor, templates, contents = 0, [], []
     for m in window:
-        candidates = [m.content] if m.role == "user" else reasoning.answer_candidates(style, reply_text(vocab, m))
+        candidates = [m.content] if m.role == "user" else [written(m.content)] if m.role == "tool" else \
+            reasoning.answer_candidates(style, reply_text(vocab, m))
         found = next(((c, at) for c in candidates if (at := text.find(c, cursor)) >= 0), None)
         if found is None:
             return None
@@ -118,11 +134,15 @@ def layout(fmt: ChatFormat, vocab: Vocab, conv: Conversation, template_tokens: C
     carry = ""  # template text after a reply: the head of the user message that follows it
     for i, (m, content) in enumerate(zip(window, contents)):
         after = templates[i + 1]
-        if m.role == "user":
+        if m.role != "assistant":
             # attached documents keep their tokens (each block tokenized on its own), then the typed words
             words = m.tokens[:m.doc_tokens] + vocab.tokenize(content[m.doc_chars:], special=False)
             old_after = m.tokens[len(words):] if m.tokens[:len(words)] == words else []
             head = keep_or_tokenize(m.head, carry) if i else []
+            if m.role == "tool" and i + 1 < len(window) and window[i + 1].role == "tool":
+                laid.append((head, words))  # the text between two results opens the next one
+                carry = after
+                continue
             laid.append((head, words + keep_or_tokenize(old_after, after)))
             carry = ""
             continue

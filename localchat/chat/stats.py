@@ -30,6 +30,7 @@ class TurnStats:
     llama_prompt_eval: int = 0  # llama.cpp's own perf counters
     llama_eval: int = 0
     extra: dict = field(default_factory=dict)
+    steps: list[TurnStats] = field(default_factory=list, repr=False)  # a tool loop's earlier steps, in order
 
     @property
     def cache_miss(self) -> bool:
@@ -37,6 +38,7 @@ class TurnStats:
 
     def to_json(self) -> dict:
         d = asdict(self)
+        d.pop("steps")
         extra = d.pop("extra")
         d.update(extra)
         for k in ("ttft_s", "prefill_s", "decode_tps", "save_s"):

@@ -74,14 +74,16 @@ def parse(data: bytes) -> list[Record]:
 
 
 def _message(r: Record) -> Message:
-    if r.get("role") not in ("user", "assistant") or not isinstance(r.get("content"), str):
+    if r.get("role") not in ("user", "assistant", "tool") or not isinstance(r.get("content"), str):
         raise ValueError("not a message")
     ints = lambda v: [int(t) for t in (v or [])]  # noqa: E731
     return Message(role=r["role"], content=r["content"], tokens=ints(r.get("tokens")), head=ints(r.get("head")),
                    cut=bool(r.get("cut")), in_window=bool(r.get("in_window", True)), pinned=bool(r.get("pinned")),
                    raw=r["raw"] if isinstance(r.get("raw"), str) else "",
                    reasoning=r["reasoning"] if isinstance(r.get("reasoning"), str) else "",
-                   documents=_documents(r.get("documents")))
+                   documents=_documents(r.get("documents")),
+                   calls=[c for c in r.get("calls") or [] if isinstance(c, dict) and isinstance(c.get("name"), str)],
+                   call=r["call"] if isinstance(r.get("call"), dict) else {}, call_at=int(r.get("call_at", -1)))
 
 
 def _documents(value: object) -> list[dict]:
@@ -129,8 +131,9 @@ def replay(records: list[Record]) -> Conversation:
 
 
 def _close_dangling(conv: Conversation) -> None:
-    """A question whose reply was torn off (a crash mid-append) reads as a reply cut before it began."""
-    if conv.messages and conv.messages[-1].role == "user":
+    """A question (or a tool's result) whose reply was torn off (a crash mid-append) reads as a reply cut
+    before it began."""
+    if conv.messages and conv.messages[-1].role in ("user", "tool"):
         conv.add_reply("", [], cut=True)
 
 

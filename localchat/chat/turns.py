@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from localchat.chat import overflow, replystream, transcript
+from localchat.chat import official, overflow, replystream, tools, transcript
 from localchat.chat.ahead import Ahead
 from localchat.chat.conversation import Conversation, Message
 from localchat.chat.documents import Attachments
 from localchat.chat.stats import TurnStats
 from localchat.chatformat import reasoning
 from localchat.chatformat.templates import ChatFormat
+from localchat.chatformat.toolcalls import Found, ToolCall, ToolFormat
 from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig, Speculation, prime_sampler
-from localchat.errors import ContextFullError
+from localchat.errors import ContextFullError, ToolsUnsupported
 from localchat.settings import default
 
 TextSink = Callable[[str], None]
@@ -80,6 +82,11 @@ class Chat:
         self.events: list[transcript.Record] = []  # transcript records not yet persisted, drained by the store
         self.read_ahead = settings.read_ahead
         self.reasoning_style = reasoning.detect(fmt.source)  # think tags, channels, or "" (none)
+        self.runner: tools.ToolRunner | None = None  # the tools offered (None: none)
+        self.tool_format: ToolFormat | None = None
+        self.max_tool_calls = 10
+        self.go_on: tools.GoOn | None = None  # asked when a reply reaches max_tool_calls
+        self._opts: replystream.ReplyOptions | None = None  # the turn's reply options, for its tool steps
         self.ahead = Ahead(self)  # the work done while the user is not waiting
 
     @property
@@ -91,6 +98,102 @@ class Chat:
         if self.settings.overflow == "auto":
             return "shift" if self.engine.can_shift else "rebuild"
         return self.settings.overflow
+
+    # ---------------------------------------------------------------- tools
+    def enable_tools(self, runner: tools.ToolRunner, max_calls: int, model: str) -> None:
+        """Offer the runner's tools: the template renders their list in the system prefix; ToolsUnsupported
+        (naming `model`) when the template takes no tools."""
+        self.fmt.set_tools(runner.schemas())
+        found = ToolFormat(self.fmt)
+        if not found.kind:
+            self.fmt.set_tools([])
+            raise ToolsUnsupported(f"{model} cannot call tools: {found.reason}")
+        self.runner, self.tool_format, self.max_tool_calls = runner, found, max_calls
+        if self.conv.prefix:
+            self.set_system(self.conv.system, cause="the tool list changed")
+
+    def result_written(self, text: str) -> str:
+        return self.tool_format.result_as_written(text) if self.tool_format else text
+
+    def last_calls(self) -> list[ToolCall]:
+        last = self.conv.messages[-1] if self.conv.messages else None
+        if last is None or last.role != "assistant":
+            return []
+        return [ToolCall(c["name"], c.get("arguments", {}), c.get("id", "")) for c in last.calls]
+
+    def tool_step(self, calls: list[ToolCall], outcomes: list[tools.Outcome], answer: bool = True) -> TurnStats:
+        """One step of a tool loop: the results go in as the template's delta after the calls (the call's
+        end, each result as plain text, the next generation prompt), then the model replies (`answer`
+        False: Ctrl-C stopped the loop; the results are kept, the reply is left cut)."""
+        e, opts = self.engine, self._opts
+        assert self.tool_format is not None and opts is not None
+        t0 = time.perf_counter()
+        st = TurnStats(turn=self.conv.turns, n_ctx=e.n_ctx)
+        heads, bodies = self._result_delta(calls, outcomes)
+        st.new_tokens = sum(map(len, heads)) + sum(map(len, bodies))
+        self._room_for_step(st.new_tokens, st)
+        for call, outcome, head, body in zip(calls, outcomes, heads, bodies):
+            self._record(self.conv.add_result(outcome.text, head, body, {"name": call.name, "id": call.id,
+                                                                          "status": outcome.status}))
+        st.extra.update(step=len([m for m in self._exchange() if m.role == "assistant"]), tool_calls=len(calls),
+                        tool_result_tokens=sum(len(self._tok(self.result_written(o.text), special=False))
+                                               for o in outcomes))
+        prompt = self.conv.window_tokens()
+        e.reset_perf()
+        gen = Generation(tokens=[])
+        st.prompt_tokens = len(prompt)
+        try:
+            pre = self._prefill(prompt, None, opts.cancelled, None, [])
+        except Cancelled:
+            answer = False
+            pre = PrefillResult(e.common_prefix(prompt), 0, 0.0, -1, False)
+        st.cached_tokens, st.recomputed_tokens, st.prefill_s = pre.cached, pre.recomputed, pre.seconds
+        if not answer:
+            self._record(self.conv.add_reply("", [], cut=True))
+            st.stop_reason, st.cut = "cancelled", True
+            return self._finish(st, t0, gen, NO_INPUTS)
+        e.synchronize()
+        prompt_eval = int(e.perf()["prompt_n"])
+        self._reply(len(prompt), gen, st, opts)
+        self.ahead.end_turn()
+        return self._finish(st, t0, gen, NO_INPUTS, prompt_eval)
+
+    def _room_for_step(self, added: int, st: TurnStats) -> None:
+        """Older exchanges leave the window if the step's results and reply would not fit; this exchange stays."""
+        user = self._exchange()[0]
+        pinned, user.pinned = user.pinned, True
+        try:
+            evicted = overflow.make_room(self.engine, self.conv, self.ahead, self.overflow,
+                                         added + self.settings.max_tokens, st)
+        finally:
+            user.pinned = pinned
+        if evicted:
+            self.events.append(evicted)
+        if len(self.conv.window_tokens()) + added + 1 > self.engine.n_ctx:
+            raise ContextFullError(f"the tool results ({added} tokens) do not fit in the context "
+                                   f"({self.engine.n_ctx} tokens); raise --ctx")
+
+    def _exchange(self) -> list[Message]:
+        """The messages of the last exchange, its user message first."""
+        last_user = max(i for i, m in enumerate(self.conv.messages) if m.role == "user")
+        return self.conv.messages[last_user:]
+
+    def _result_delta(self, calls: list[ToolCall], outcomes: list[tools.Outcome]) -> tuple[list[list[int]],
+                                                                                          list[list[int]]]:
+        """Each result's (head, body) tokens: the template's text before it (special tokens parsed), the
+        result as plain text (a result is untrusted: it can open or close nothing), the text after the last."""
+        assert self.tool_format is not None
+        parts = self.tool_format.result_text(calls)
+        first = parts[0][0]
+        last = self.conv.messages[-1].tokens
+        if last and self.engine.is_eog(last[-1]):  # the sampled end token already wrote the call's end
+            eog = self.engine.piece(last[-1], special=True).decode("utf-8", "replace")
+            first = first[len(eog):] if first.startswith(eog) else first
+        texts = [first] + [p[0] for p in parts[1:]]
+        heads = [self._tok(t) for t in texts[:-1]]
+        bodies = [self._tok(self.result_written(o.text), special=False) for o in outcomes]
+        bodies[-1] = bodies[-1] + self._tok(texts[-1])
+        return heads, bodies
 
     # ---------------------------------------------------------------- deltas
     def _tok(self, text: str, special: bool = True, bos: bool = False) -> list[int]:
@@ -181,7 +284,11 @@ class Chat:
         if st.cache_miss and st.turn > 1:
             st.miss_cause = self._miss_cause(st, inputs, pre.rewind_refused, n_kv_before)
         self.ahead.end_turn()
-        return self._finish(st, t0, gen, inputs, prompt_eval)
+        st = self._finish(st, t0, gen, inputs, prompt_eval)
+        if self.runner is None:
+            return st
+        self._opts = dataclasses.replace(opts, on_thought=on_thought)
+        return tools.loop(self, st, cancelled, self.go_on)
 
     def _lay_out(self, text: str, st: TurnStats, inputs: TurnInputs) -> _Laid:
         """Make room, add the user's message with its delta, and say where the turn's own tokens start."""
@@ -217,10 +324,22 @@ class Chat:
         out = replystream.stream(e, self._sampler, gen, opts, spec)
         if spec:
             st.extra["draft_tokens"], st.extra["accepted_tokens"] = spec.drafted - drafted, spec.accepted - accepted
-        reply = self._settle_reply(prompt_len, gen, out.stop_text)
+        found = self._calls(prompt_len)
+        closing = self.tool_format.result_text(found.calls)[0][0] if found.calls and self.tool_format else None
+        reply = self._settle_reply(prompt_len, gen, out.stop_text, closing)
         st.cut = gen.stop_reason in ("cancelled", "context_full")
         text = out.answer.strip() if self.reasoning_style else e.detokenize([t for t in reply if not e.is_eog(t)])
-        self._record(self.conv.add_reply(text, reply, st.cut, reasoning=out.thought))
+        if found.start >= 0:  # what is shown of a reply that calls: the words before the call
+            before = reasoning.parse(self.reasoning_style, found.content).answer if self.reasoning_style else \
+                found.content
+            text = before.strip()
+        m = self.conv.add_reply(text, reply, st.cut, reasoning=out.thought,
+                                calls=[{"name": c.name, "arguments": c.arguments, "id": c.id} for c in found.calls])
+        if found.calls:
+            m.raw, m.call_at = official.raw_reply(e, reply), found.start
+        if found.error:
+            st.extra["tool_call_error"] = found.error
+        self._record(m)
         st.extra["reasoning_tokens"] = out.reasoning_tokens
         st.reply_tokens, st.stop_reason = len(reply), gen.stop_reason
 
@@ -258,8 +377,21 @@ class Chat:
         return PrefillResult(parts[0].cached, sum(p.recomputed for p in parts), sum(p.seconds for p in parts),
                              parts[0].first_diff, any(p.rewind_refused for p in parts))
 
-    def _settle_reply(self, prompt_len: int, gen: Generation, kept_text: str | None) -> list[int]:
-        """The reply tokens the history keeps: as sampled, less a stop string or a foreign end token."""
+    def _calls(self, prompt_len: int) -> Found:
+        """The tool calls in the reply just sampled (none when no tools are offered or it was cut)."""
+        if self.tool_format is None:
+            return Found("")
+        found = self.tool_format.find(official.raw_reply(self.engine, self.engine.tokens[prompt_len:]))
+        calls = found.calls if self.tool_format.multiple else found.calls[:1]  # the template takes one
+        # a call the model gave no id gets one (nine letters and digits, as Mistral's templates require)
+        made = sum(len(m.calls) for m in self.conv.messages)
+        calls = [c if c.id else dataclasses.replace(c, id=f"call{made + i:05d}") for i, c in enumerate(calls)]
+        return Found(found.content, calls, found.start, found.error)
+
+    def _settle_reply(self, prompt_len: int, gen: Generation, kept_text: str | None,
+                      closing: str | None = None) -> list[int]:
+        """The reply tokens the history keeps: as sampled, less a stop string or a foreign end token
+        (`closing`: the text that follows this reply, when it is not the next user turn's)."""
         e = self.engine
         reply = e.tokens[prompt_len:]
         if kept_text is not None:
@@ -268,7 +400,7 @@ class Chat:
                 keep += 1
             e.truncate(prompt_len + keep)
         elif reply and e.is_eog(reply[-1]):
-            closing = self.fmt.next_turn(self.conv.system, "").before
+            closing = self.fmt.next_turn(self.conv.system, "").before if closing is None else closing
             if not closing.startswith(e.piece(reply[-1], special=True).decode("utf-8", "replace")):
                 e.truncate(len(e.tokens) - 1)  # pending, never evaluated: nothing to rewind
         return e.tokens[prompt_len:]

@@ -8,6 +8,7 @@ the template's text so that it is never parsed for special tokens.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -55,9 +56,10 @@ class ChatFormat:
         self._bos, self._eos = bos_token, eos_token
         self.now: datetime | None = None  # the date templates print (strftime_now); None: today
         # the stand-in conversation is fixed, so each delta is the same every turn
-        self._first: dict[tuple[str, object, object], tuple[str, str]] = {}
-        self._next: dict[tuple[str, object, object], tuple[str, str]] = {}
+        self._first: dict[tuple[str, object, object, str], tuple[str, str]] = {}
+        self._next: dict[tuple[str, object, object, str], tuple[str, str]] = {}
         self.options: dict[str, object] = {}  # template switches: enable_thinking, reasoning_effort
+        self.tools: list[dict] = []  # the tool list the template renders (OpenAI / Hugging Face shape)
         if "enable_thinking" in self.source:
             self.options["enable_thinking"] = True  # llama.cpp's default; some templates read "undefined" as off
         self.system_role = True  # False: the template refuses a system message; it is folded in
@@ -77,10 +79,12 @@ class ChatFormat:
                 raise
             self.system_role = False
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        """The template's own rendering, as Hugging Face transformers renders it, inside bounds."""
+    def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        """The template's own rendering, as Hugging Face transformers renders it, inside bounds; `tools`:
+        this tool list instead of the chat's."""
+        tools = self.tools if tools is None else tools
         context = {**self.options, "messages": messages, "add_generation_prompt": add_generation_prompt,
-                   "bos_token": self._bos, "eos_token": self._eos}
+                   "bos_token": self._bos, "eos_token": self._eos, **({"tools": tools} if tools else {})}
         try:
             return BOX.render(self.source, context, self.now)
         except TemplateRefused as exc:
@@ -125,6 +129,14 @@ class ChatFormat:
         first = messages[0]
         return [{"role": first["role"], "content": f"{system}\n\n{first['content']}"}, *messages[1:]]
 
+    def _key(self, system: str | None) -> tuple[str, object, object, str]:
+        """What a delta depends on: the system prompt, the date, the switches and the tool list."""
+        return (system or "", self.now.date() if self.now else None, tuple(sorted(self.options.items())),
+                json.dumps(self.tools, sort_keys=True))
+
+    def set_tools(self, tools: list[dict]) -> None:
+        self.tools = list(tools)
+
     def _split(self, text: str, start: int) -> tuple[str, str]:
         i = text.find(USER_SENTINEL, start)
         if i < 0:
@@ -134,7 +146,7 @@ class ChatFormat:
 
     def first_turn(self, system: str | None, user: str) -> TurnText:
         """The whole first prompt: system prompt, the user's words, the generation prompt."""
-        key = (system or "", self.now.date() if self.now else None, tuple(sorted(self.options.items())))
+        key = self._key(system)
         if key not in self._first:
             msgs = self.with_system(system, [{"role": "user", "content": USER_SENTINEL}])
             self._first[key] = self._split(self.render(msgs, True), 0)
@@ -143,7 +155,7 @@ class ChatFormat:
 
     def next_turn(self, system: str | None, user: str) -> TurnText:
         """What follows a finished reply: the reply's closing, the user's words, the generation prompt."""
-        key = (system or "", self.now.date() if self.now else None, tuple(sorted(self.options.items())))
+        key = self._key(system)
         if key not in self._next:
             msgs = self.with_system(system, [
                 {"role": "user", "content": "Hi"},

@@ -1,0 +1,394 @@
+"""Tool calls in a model's own format, found from its chat template by probe renders, not hand-listed.
+
+The template is rendered (in the sandbox) with probe tools and a probe call, as Hugging Face renders
+`tools`, `tool_calls` and the `tool` role. From those renders come: whether the template takes tools
+at all; the text the model writes for a call (from the end of the generation prompt to where the
+template's turn closing starts: found as what a call's tail and an ordinary reply's tail do not
+share); the call's syntax (a JSON object or list after an opening marker, a name then JSON
+arguments, XML parameters, GLM's key/value pairs, Gemma 4's own notation); whether several calls
+fit in one reply; and the template text that follows the calls, around each result. Calls are then
+parsed out of a reply's raw text (its thoughts included: some models call while thinking).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from localchat.chatformat.templates import REPLY_SENTINEL, USER_SENTINEL, ChatFormat
+from localchat.errors import TemplateFailure
+
+RESULT_SENTINEL = "LocalchatResultSentinel5d2e"
+_NAMES = ("lcprobe_alpha", "lcprobe_beta")
+_VALUES = ("Zqxfirstvalue", "Zqxsecondvalue")
+_IDS = ("a1b2c3d4e", "f5g6h7i8j")  # nine letters and digits: Mistral's templates refuse other call ids
+_THOUGHT_ENDS = ("</think>", "<channel|>", "<|END_THINKING|>")
+_MARKER = re.compile(r"<\|[^|<>]*\|>|<[^<>\s]+>|\[[A-Z_]+\]|```\w*|\S+")
+
+
+def tool_schema(name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A tool as templates take it (the OpenAI / Hugging Face shape)."""
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+_PROBE_TOOLS = [tool_schema(n, "A probe.", {"type": "object", "properties": {
+    "city": {"type": "string", "description": "A city."}}, "required": ["city"]}) for n in _NAMES]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    id: str = ""
+
+    def message(self) -> dict[str, Any]:
+        """The call as an assistant message's `tool_calls` entry."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class Found:
+    """The calls in a reply: the text before them, the calls, where they start (-1: none), and why an
+    opened call did not parse ("" when all did)."""
+
+    content: str
+    calls: list[ToolCall] = field(default_factory=list)
+    start: int = -1
+    error: str = ""
+
+
+def _probe_call(i: int, name: str | None = None) -> ToolCall:
+    return ToolCall(name or _NAMES[i], {"city": _VALUES[i]}, _IDS[i])
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _common_suffix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def _model_start(asked: str, rendered: str) -> int:
+    """Where the model's text starts in `rendered`: after the generation prompt `asked` where the render
+    continues it, else at the start of the line or marker where they part (QwQ's prompt opens thoughts
+    its rendering of a call drops)."""
+    start = _common_prefix(asked, rendered)
+    if start < len(asked):
+        while start > 0 and rendered[start - 1] not in "\n>":
+            start -= 1
+        # the prompt's own end where the rendering repeats it further on (Command R+'s last instruction)
+        ends = [k for k in range(1, min(200, len(rendered) - start)) if rendered[start + k - 1] == ">"
+                and asked.endswith(rendered[start:start + k])][-1:]
+        start += ends[0] if ends else 0
+    return start
+
+
+def _whole_markers(close: str, tail: str) -> str:
+    """`close` (a prefix of `tail`) extended to the end of a special marker it cuts (`<|END_ACTION` + `|>`)."""
+    if close.rfind("<") > close.rfind(">"):
+        end = tail.find(">", len(close))
+        return tail[:end + 1] if end >= 0 else close
+    return close
+
+
+def _after_thoughts(text: str) -> int:
+    """Where a reply's text continues after its thoughts (0 when it has none)."""
+    return max((text.rfind(m) + len(m) for m in _THOUGHT_ENDS if m in text), default=0)
+
+
+class ToolFormat:
+    """A template's tool-call format. `kind` is "" when the template takes no tools (`reason` says why)."""
+
+    def __init__(self, fmt: ChatFormat):
+        self.fmt = fmt
+        self.kind, self.reason, self.opening, self.multiple = "", "", "", False
+        self.escapes_results = False  # the template writes a result as a JSON string's inside
+        self._keys: dict[str, str] = {}  # json: the keys of a call's name, arguments, id
+        self._pre, self._mid = "", ""  # name-args: the text before each call's name, between it and its arguments
+        self._close = ""  # what the model writes after a call's last argument
+        self._deltas: dict[int, tuple[int, str]] = {}  # calls: (where the model's text starts, the text after it)
+        try:
+            self._derive()
+        except TemplateFailure as exc:
+            self.kind, self.reason = "", f"its chat template fails with tools ({exc})"
+
+    # ------------------------------------------------------------ probing
+    def _render(self, messages: list[dict[str, Any]], gen: bool = True) -> str:
+        return self.fmt.render(messages, gen, tools=_PROBE_TOOLS)
+
+    def _exchange(self, calls: list[ToolCall], results: list[str] | None = None) -> list[dict[str, Any]]:
+        results = results if results is not None else [f"{RESULT_SENTINEL}{i}" for i in range(len(calls))]
+        return [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "", "tool_calls": [c.message() for c in calls]},
+                *({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": r} for c, r in zip(calls, results))]
+
+    def _derive(self) -> None:
+        asked = self._render([{"role": "user", "content": "Hi"}])
+        if _NAMES[0] not in asked:
+            self.reason = "its chat template does not take tools"
+            return
+        one = self._render(self._exchange([_probe_call(0)]))
+        start, end = self._model_span(asked, one)
+        if start < 0:
+            self.reason = "its chat template does not render tool calls"
+            return
+        self._deltas[1] = (start, one[end:])
+        text = one[start:end]
+        self._syntax(text[_after_thoughts(text):].lstrip())
+        self.multiple = self._two_calls(asked)
+        self.escapes_results = self._result_escaped()
+
+    def _model_span(self, asked: str, rendered: str) -> tuple[int, int]:
+        """Where the model's own text of the probe call starts and ends in `rendered` ((-1, -1): not there)."""
+        start = _model_start(asked, rendered)
+        at = rendered.rfind(_VALUES[0]) + len(_VALUES[0])
+        if at < start + len(_VALUES[0]):
+            return -1, -1
+        self._close = self._call_close(rendered[at:])
+        if not rendered.startswith(self._close, at):
+            return -1, -1
+        return start, at + len(self._close)
+
+    def _call_close(self, rest: str) -> str:
+        """The text the model writes after a call's last argument: what a call's tail and an ordinary reply's
+        tail (each followed by a user message) do not share; where a call cannot be followed by a user
+        message, up to the marker that closes an ordinary reply."""
+        plain = self.fmt.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": REPLY_SENTINEL},
+                                 {"role": "user", "content": USER_SENTINEL}], True, tools=_PROBE_TOOLS)
+        reply_tail = plain[plain.find(REPLY_SENTINEL) + len(REPLY_SENTINEL):plain.find(USER_SENTINEL)]
+        try:
+            before_user = self._render([{"role": "user", "content": "Hi"},
+                                        {"role": "assistant", "content": "", "tool_calls": [_probe_call(0).message()]},
+                                        {"role": "user", "content": USER_SENTINEL}])
+        except TemplateFailure:
+            closing = (_MARKER.findall(reply_tail) or [""])[0]
+            return rest[:rest.find(closing)] if closing and closing in rest else ""
+        at = before_user.rfind(_VALUES[0]) + len(_VALUES[0])
+        call_tail = before_user[at:before_user.find(USER_SENTINEL)]
+        return _whole_markers(call_tail[:len(call_tail) - _common_suffix(call_tail, reply_tail)], call_tail)
+
+    def _syntax(self, text: str) -> None:
+        """The call's syntax, from the probe call's text as the model writes it."""
+        name = _NAMES[0]
+        if f"<function={name}>" in text:
+            self.kind, self.opening = "xml", text[:text.find("<function=")]
+        elif "<arg_key>" in text:
+            self.kind, self.opening = "glm", text[:text.find(name)]
+        elif f"call:{name}{{" in text:
+            self.kind, self.opening = "gemma4", text[:text.find("call:")]
+        elif f'"{name}"' in text:
+            self._json_syntax(text)
+        else:
+            self.kind, at = "name-args", text.find(name)
+            self.opening, self._pre = text[:at], text[:at]
+            self._mid = text[at + len(name):text.find("{", at)]
+        self.opening = self.opening.strip()
+
+    def _json_syntax(self, text: str) -> None:
+        at = text.find(f'"{_NAMES[0]}"')
+        decoder = json.JSONDecoder()
+        for start in (i for i, c in enumerate(text[:at]) if c in "{["):
+            try:
+                value, end = decoder.raw_decode(text, start)
+            except ValueError:
+                continue
+            if end > at:
+                break
+        else:
+            self.reason = "its tool-call format could not be read from the template"
+            return
+        first = value[0] if isinstance(value, list) and value else value
+        if not isinstance(first, dict):
+            return
+        self.kind, self.opening = "json", text[:start]
+        for k, v in first.items():
+            role = "name" if v == _NAMES[0] else "args" if v == {"city": _VALUES[0]} else \
+                "id" if isinstance(v, str) and k.endswith("id") else ""
+            if role:
+                self._keys[role] = k
+
+    def _two_calls(self, asked: str) -> bool:
+        try:
+            two = self._render(self._exchange([_probe_call(0), _probe_call(1)]))
+        except TemplateFailure:
+            return False
+        at = two.rfind(_VALUES[1]) + len(_VALUES[1])
+        if at < len(_VALUES[1]) or f"{RESULT_SENTINEL}1" not in two or not two.startswith(self._close, at):
+            return False
+        if self.kind == "name-args":  # each call's own opening: what precedes both names
+            between = two[two.find(_VALUES[0]):two.find(_NAMES[1])]
+            self._pre = self._pre[len(self._pre) - _common_suffix(self._pre, between):] or self._pre
+        self._deltas[2] = (_model_start(asked, two), two[at + len(self._close):])
+        return True
+
+    def _result_escaped(self) -> bool:
+        probe = f'{RESULT_SENTINEL}"\n{RESULT_SENTINEL}'
+        text = self._render(self._exchange([_probe_call(0)], [probe]))
+        i = text.find(RESULT_SENTINEL)
+        return text[i + len(RESULT_SENTINEL):text.find(RESULT_SENTINEL, i + 1)] == '\\"\\n'
+
+    # ------------------------------------------------------------ the model's side
+    def _stand_in(self, calls: list[ToolCall], results: list[str] | None = None) -> tuple[str, int, str]:
+        """A one-exchange rendering with these calls: (the text, where the model's text starts, the text
+        after the calls)."""
+        n = 1 if len(calls) == 1 or not self.multiple else 2
+        if len(calls) > n:
+            raise TemplateFailure(f"this model's template takes {n} tool call(s) per reply", "template")
+        start, after = self._deltas[n]
+        for i, c in enumerate(calls):
+            after = after.replace(_NAMES[i], c.name).replace(_IDS[i], c.id)
+        text = self.fmt.render(self._exchange(calls, results), True)
+        return text, start, after
+
+    def call_text(self, calls: list[ToolCall]) -> str:
+        """The text the model writes for these calls, as its template renders them."""
+        text, _, after = self._stand_in(calls)
+        start = _model_start(self.fmt.render([{"role": "user", "content": "Hi"}], True), text)
+        if not text.endswith(after):
+            raise TemplateFailure("the template renders these calls in an unexpected form", "template")
+        return text[start:len(text) - len(after)]
+
+    def result_text(self, calls: list[ToolCall]) -> list[tuple[str, int]]:
+        """The template text after the calls and around their results, up to the next generation prompt:
+        [(template text, index of the result that follows it, or -1 at the end)]."""
+        _, _, after = self._stand_in(calls)
+        parts: list[tuple[str, int]] = []
+        for i in range(len(calls)):
+            cut = after.find(f"{RESULT_SENTINEL}{i}")
+            if cut < 0:
+                raise TemplateFailure("the template drops a tool result", "template")
+            parts.append((after[:cut], i))
+            after = after[cut + len(f"{RESULT_SENTINEL}{i}"):]
+        return [*parts, (after, -1)]
+
+    def result_as_written(self, result: str) -> str:
+        """A result's text as the template writes it (inside a JSON string where it escapes results)."""
+        return json.dumps(result, ensure_ascii=False)[1:-1] if self.escapes_results else result
+
+    # ------------------------------------------------------------ parsing
+    def find(self, raw: str) -> Found:
+        """The calls in a reply's raw text (special tokens written out), thoughts included."""
+        if not self.kind:
+            return Found(raw)
+        at = self._first_call(raw)
+        if at < 0:
+            return Found(raw)
+        try:
+            calls = getattr(self, f"_parse_{self.kind.replace('-', '_')}")(raw[at:])
+        except (ValueError, TypeError, AttributeError) as exc:
+            return Found(raw[:at], [], at, f"the tool call does not parse: {exc}")
+        if not calls:
+            return Found(raw[:at], [], at, "the tool call does not parse")
+        return Found(raw[:at], calls, at)
+
+    def _first_call(self, raw: str) -> int:
+        if self.opening:
+            return raw.find(self.opening)
+        stripped = raw[_after_thoughts(raw):]  # no opening (Llama 3): a reply that is a JSON object
+        at = len(raw) - len(stripped.lstrip())
+        return at if raw[at:at + 1] in ("{", "[") else -1
+
+    def _parse_json(self, text: str) -> list[ToolCall]:
+        decoder, pos = json.JSONDecoder(), 0
+        calls: list[ToolCall] = []
+        while True:
+            at = text.find(self.opening, pos) if self.opening else (pos if pos == 0 else -1)
+            if at < 0:
+                return calls
+            start = at + len(self.opening)
+            start += len(text[start:]) - len(text[start:].lstrip())
+            value, pos = decoder.raw_decode(text, start)
+            for item in value if isinstance(value, list) else [value]:
+                calls.append(self._json_call(item))
+            if not self.opening:
+                return calls
+
+    def _json_call(self, item: Any) -> ToolCall:
+        name = item.get(self._keys.get("name", "name")) or item.get("name") or item.get("tool_name")
+        args = item.get(self._keys.get("args", "arguments"), item.get("arguments", item.get("parameters", {})))
+        if isinstance(args, str):
+            args = json.loads(args)
+        if not isinstance(name, str) or not isinstance(args, dict):
+            raise ValueError("a call needs a name and an object of arguments")
+        return ToolCall(name, args, str(item.get(self._keys.get("id", "id"), "")))
+
+    def _parse_name_args(self, text: str) -> list[ToolCall]:
+        decoder, calls = json.JSONDecoder(), []
+        marker = (_MARKER.findall(self._mid.split(_IDS[0])[-1]) or [""])[-1]
+        id_before = self._mid.split(_IDS[0])[0] if _IDS[0] in self._mid else ""
+        for m in re.finditer(re.escape(self._pre.strip()) + r"\s*([\w.\-]+)", text):
+            brace = text.find("{", m.end())
+            between = text[m.end():brace]
+            if brace < 0 or not between.rstrip().endswith(marker.strip()):
+                continue
+            args, _ = decoder.raw_decode(text, brace)
+            got = re.match(re.escape(id_before) + r"(\w+)", between) if id_before else None
+            calls.append(ToolCall(m.group(1), args, got.group(1) if got else ""))
+        return calls
+
+    def _parse_xml(self, text: str) -> list[ToolCall]:
+        calls = []
+        for m in re.finditer(r"<function=([^>\s]+)>(.*?)</function>", text, re.S):
+            params = re.findall(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", m.group(2), re.S)
+            calls.append(ToolCall(m.group(1), {k: _loose_value(v) for k, v in params}))
+        return calls
+
+    def _parse_glm(self, text: str) -> list[ToolCall]:
+        calls = []
+        for m in re.finditer(re.escape(self.opening) + r"([^\n<]+)\n?(.*?)</tool_call>", text, re.S):
+            pairs = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", m.group(2), re.S)
+            calls.append(ToolCall(m.group(1).strip(), {k: _loose_value(v) for k, v in pairs}))
+        return calls
+
+    def _parse_gemma4(self, text: str) -> list[ToolCall]:
+        calls = []
+        for m in re.finditer(r"call:([\w.\-]+)\{", text):
+            value, _ = _gemma_value(text, m.end() - 1)
+            calls.append(ToolCall(m.group(1), value))
+        return calls
+
+
+def _loose_value(text: str) -> Any:
+    """A parameter written as text: a JSON number, boolean, list or object where it is one, else the text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if not isinstance(value, str) else text
+
+
+_GEMMA_QUOTE = '<|"|>'
+
+
+def _gemma_value(text: str, i: int) -> tuple[Any, int]:
+    """Gemma 4's argument notation ({key:<|"|>text<|"|>,n:1,list:[...]}) read from position i."""
+    if text.startswith(_GEMMA_QUOTE, i):
+        end = text.index(_GEMMA_QUOTE, i + len(_GEMMA_QUOTE))
+        return text[i + len(_GEMMA_QUOTE):end], end + len(_GEMMA_QUOTE)
+    if text[i] in "{[":
+        closing = "}" if text[i] == "{" else "]"
+        items: list[Any] = []
+        i += 1
+        while text[i] != closing:
+            key = ""
+            if closing == "}":
+                colon = text.index(":", i)
+                key, i = text[i:colon].strip(), colon + 1
+            value, i = _gemma_value(text, i)
+            items.append((key, value))
+            if text[i] == ",":
+                i += 1
+        return (dict(items) if closing == "}" else [v for _, v in items]), i + 1
+    m = re.compile(r"[^,}\]]+").match(text, i)
+    if m is None:
+        raise ValueError("unexpected end of the arguments")
+    return json.loads(m.group(0)), m.end()

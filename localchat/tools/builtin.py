@@ -1,0 +1,322 @@
+"""The built-in tools, offline and rooted at the working directory: read_file, list_files, search_text
+(read-only), write_file, edit_file, run_command (side effects).
+
+Nothing runs before the approver says so, except a read-only tool inside the working directory that
+the user approved in advance (`allow_tools`, or "always" earlier in the session). Every call is shown
+whole first: the path, the diff a write or edit makes, the exact command. A path outside the working
+directory (`..`, an absolute path, a symlink out) asks every time. `run_command` is approved per
+exact command, never "always". Results are capped; what a tool returns is untrusted text.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import os
+import re
+import select
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from localchat.fsutil import atomic_write, walk_files
+from localchat.tools.rooted import Place, Root
+
+READ_ONLY = ("read_file", "list_files", "search_text")
+SIDE_EFFECTS = ("write_file", "edit_file", "run_command")
+RESULT_CHARS = 12_000  # a result longer than this is cut (and says so): a small context holds little more
+READ_BYTES = 4 << 20  # a file larger than this is read only in part
+MOST_FILES = 2_000
+MOST_MATCHES = 200
+
+
+def _schema(description: str, props: dict[str, tuple[str, str]], required: tuple[str, ...]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "", "description": description, "parameters": {
+        "type": "object", "properties": {k: {"type": t, "description": d} for k, (t, d) in props.items()},
+        "required": list(required)}}}
+
+
+_SCHEMAS: dict[str, dict[str, Any]] = {
+    "read_file": _schema("Read a text file in the working directory (optionally lines start to end, from 1).",
+                         {"path": ("string", "The file's path."), "start": ("integer", "First line (from 1)."),
+                          "end": ("integer", "Last line.")}, ("path",)),
+    "list_files": _schema("List files in the working directory (hidden and .gitignore'd ones skipped).",
+                          {"glob": ("string", "A glob such as **/*.py (default: every file).")}, ()),
+    "search_text": _schema("Search text files for a regular expression; gives path:line: text.",
+                           {"pattern": ("string", "A regular expression (Python syntax)."),
+                            "glob": ("string", "Only files matching this glob.")}, ("pattern",)),
+    "write_file": _schema("Write a whole file (created or replaced).",
+                          {"path": ("string", "The file's path."), "content": ("string", "The new content.")},
+                          ("path", "content")),
+    "edit_file": _schema("Replace one exact occurrence of a text in a file.",
+                         {"path": ("string", "The file's path."), "old": ("string", "The text to replace "
+                          "(must occur once)."), "new": ("string", "The replacement.")}, ("path", "old", "new")),
+    "run_command": _schema("Run a shell command in the working directory; gives its output and exit code.",
+                           {"command": ("string", "The command line.")}, ("command",)),
+}
+for _name, _s in _SCHEMAS.items():
+    _s["function"]["name"] = _name
+_JSON_TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,), "number": (int, float),
+                                            "boolean": (bool,), "object": (dict,), "array": (list,)}
+
+
+@dataclass(frozen=True)
+class Request:
+    """A call as the user approves it: shown whole."""
+
+    tool: str
+    arguments: dict[str, Any]
+    shown: str  # the path, the diff of a write or edit, the exact command
+    side_effect: bool
+    outside: str = ""  # a path outside the working directory, which needs its own approval
+    may_always: bool = True  # "always for this tool" is offered (never for run_command or an outside path)
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: str  # once, always, deny
+    arguments: dict[str, Any] | None = None  # the arguments as the user edited them (then run once)
+
+
+Approver = Callable[[Request], Decision]
+
+
+@dataclass(frozen=True)
+class Result:
+    text: str
+    status: str = "ok"  # ok, denied, error
+
+
+class ToolError(Exception):
+    """A call that cannot run as asked; its text goes back to the model."""
+
+
+def validate(schema: dict[str, Any], args: Any) -> str:
+    """Why `args` does not fit the tool's JSON schema ("" when it does): required keys, known keys, types."""
+    params = schema["function"]["parameters"]
+    if not isinstance(args, dict):
+        return "the arguments are not a JSON object"
+    missing = [k for k in params.get("required", []) if k not in args]
+    unknown = [k for k in args if k not in params["properties"]]
+    if missing or unknown:
+        return "; ".join(x for x in (missing and f"missing {', '.join(missing)}",
+                                     unknown and f"unknown {', '.join(unknown)}") if x)
+    for k, v in args.items():
+        kinds = _JSON_TYPES.get(params["properties"][k].get("type", ""), (object,))
+        if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+            return f"{k} must be a {params['properties'][k]['type']}"
+    return ""
+
+
+def cap(text: str, most: int = RESULT_CHARS) -> str:
+    if len(text) <= most:
+        return text
+    return text[:most] + f"\n[cut: {len(text):,} characters, the first {most:,} shown]"
+
+
+@dataclass
+class Toolbox:
+    """The built-in tools of one chat, with the approvals given in it."""
+
+    root: Root
+    approve: Approver
+    allowed: set[str] = field(default_factory=set)  # approved in advance (the profile's allow_tools, "always")
+    timeout: float = 60.0
+    commands: set[str] = field(default_factory=set)  # exact commands approved for the session
+    cancelled: Callable[[], bool] | None = None  # Ctrl-C, polled while a command runs
+    offered: tuple[str, ...] = READ_ONLY + SIDE_EFFECTS  # the tools the model is told of
+    report: Callable[[str], None] | None = None  # a line per call: what ran and how it ended
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return [_SCHEMAS[name] for name in self.offered]
+
+    def call(self, call: Any, cancelled: Callable[[], bool] | None = None) -> Result:
+        """A chat's tool call (a name and arguments), approved, run and its result capped."""
+        self.cancelled = cancelled
+        result = self.run(call.name, call.arguments)
+        if self.report is not None:
+            shown = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items()) if isinstance(call.arguments, dict) \
+                else ""
+            self.report(f"[tool {call.name}({shown[:200]}): {result.status}, {len(result.text):,} characters]")
+        return result
+
+    def run(self, name: str, arguments: Any) -> Result:
+        if name not in self.offered:
+            return Result(f"unknown tool {name!r}; the tools are: {', '.join(self.offered)}", "error")
+        problem = validate(_SCHEMAS[name], arguments)
+        if problem:
+            return Result(f"{name}: the arguments do not fit the tool's schema: {problem}", "error")
+        try:
+            request = self._request(name, arguments)
+            decision = self._decide(request)
+            if decision.verdict == "deny":
+                return Result("denied by the user", "denied")
+            args = decision.arguments if decision.arguments is not None else arguments
+            if decision.arguments is not None and (problem := validate(_SCHEMAS[name], args)):
+                return Result(f"{name}: the edited arguments do not fit the schema: {problem}", "error")
+            return Result(cap(getattr(self, f"_{name}")(**args)))
+        except ToolError as exc:
+            return Result(f"{name}: {exc}", "error")
+        except OSError as exc:
+            return Result(f"{name}: {exc.strerror or exc}", "error")
+
+    def _decide(self, r: Request) -> Decision:
+        ahead = (r.tool in self.allowed and not r.outside and r.tool != "run_command") or \
+            (r.tool == "run_command" and r.arguments["command"] in self.commands)
+        if ahead:
+            return Decision("once")
+        decision = self.approve(r)
+        if decision.verdict == "always" and r.may_always:
+            self.allowed.add(r.tool)
+        return decision
+
+    # ------------------------------------------------------------ what the user sees
+    def _place(self, given: str) -> Place:
+        return self.root.place(given)
+
+    def _request(self, name: str, a: dict[str, Any]) -> Request:
+        place = self._place(a["path"]) if "path" in a else None
+        outside = str(place.path) if place is not None and not place.inside else ""
+        if name == "write_file":
+            assert place is not None
+            shown = _diff(place, _current(place.path), a["content"])
+        elif name == "edit_file":
+            assert place is not None
+            shown = _diff(place, *self._edited(place.path, a["old"], a["new"]))
+        elif name == "run_command":
+            shown = f"$ {a['command']}\n(in {self.root.root})"
+        else:
+            shown = ", ".join(f"{k}={v!r}" for k, v in a.items()) or "(the whole working directory)"
+        return Request(name, a, shown, name in SIDE_EFFECTS, outside,
+                       may_always=name != "run_command" and not outside)
+
+    @staticmethod
+    def _edited(path: Path, old: str, new: str) -> tuple[str, str]:
+        text = _current(path)
+        count = text.count(old) if old else 0
+        if count != 1:
+            raise ToolError(f"the text to replace occurs {count} times in the file; it must occur once")
+        return text, text.replace(old, new, 1)
+
+    # ------------------------------------------------------------ the tools
+    def _read_file(self, path: str, start: int = 1, end: int = 0) -> str:
+        p = self._place(path).path
+        if p.is_dir():
+            raise ToolError(f"{path} is a directory (list_files lists it)")
+        with open(p, "rb") as f:
+            data = f.read(READ_BYTES)
+        if b"\0" in data[:8192]:
+            raise ToolError(f"{path} is a binary file")
+        lines = data.decode("utf-8", "replace").splitlines()
+        end = end or len(lines)
+        return "\n".join(lines[max(0, start - 1):end])
+
+    def _files(self, pattern: str) -> list[Path]:
+        files = walk_files(self.root.root, MOST_FILES)
+        return [f for f in files if fnmatch.fnmatch(self.root.relative(f), pattern or "*")
+                or fnmatch.fnmatch(f.name, pattern or "*")]
+
+    def _list_files(self, glob: str = "") -> str:
+        found = [self.root.relative(f) for f in self._files(glob)]
+        return "\n".join(found) if found else "no files match"
+
+    def _search_text(self, pattern: str, glob: str = "") -> str:
+        try:
+            rx = re.compile(pattern)
+        except re.error:
+            rx = re.compile(re.escape(pattern))  # not a regular expression: searched as plain text
+        hits: list[str] = []
+        for f in self._files(glob):
+            try:
+                with open(f, "rb") as fh:
+                    data = fh.read(READ_BYTES)
+            except OSError:
+                continue
+            if b"\0" in data[:8192]:
+                continue
+            for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+                if rx.search(line):
+                    hits.append(f"{self.root.relative(f)}:{n}: {line[:300]}")
+                    if len(hits) >= MOST_MATCHES:
+                        return "\n".join(hits) + f"\n[stopped at {MOST_MATCHES} matches]"
+        return "\n".join(hits) if hits else "no matches"
+
+    def _write_file(self, path: str, content: str) -> str:
+        p = self._place(path).path
+        p.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(p, [content.encode()])
+        return f"wrote {path} ({len(content.encode()):,} bytes)"
+
+    def _edit_file(self, path: str, old: str, new: str) -> str:
+        p = self._place(path).path
+        _, after = self._edited(p, old, new)
+        atomic_write(p, [after.encode()])
+        return f"edited {path}"
+
+    def _run_command(self, command: str) -> str:
+        return run_shell(command, self.root.root, self.timeout, self.cancelled)
+
+
+def _current(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+    except IsADirectoryError:
+        raise ToolError(f"{path} is a directory") from None
+
+
+def _diff(place: Place, before: str, after: str) -> str:
+    lines = difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
+                                 f"a/{place.shown}", f"b/{place.shown}")
+    text = "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+    return text or f"{place.shown}: no change"
+
+
+def run_shell(command: str, cwd: Path, timeout: float, cancelled: Callable[[], bool] | None = None) -> str:
+    """The command's output (stdout and stderr; past RESULT_CHARS only counted) and exit code; stopped,
+    with its children, past `timeout` seconds or at Ctrl-C."""
+    proc = subprocess.Popen(["/bin/sh", "-c", command], cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    assert proc.stdout is not None
+    t0, kept, total, stopped = time.monotonic(), bytearray(), 0, False
+    try:
+        while True:
+            left = timeout - (time.monotonic() - t0)
+            if left <= 0 or (cancelled is not None and cancelled()):
+                stopped = True
+                break
+            if not select.select([proc.stdout], [], [], min(left, 0.5))[0]:
+                continue
+            chunk = os.read(proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                break
+            total += len(chunk)
+            kept += chunk[:max(0, 4 * RESULT_CHARS - len(kept))]  # a flood is counted, not kept
+    except KeyboardInterrupt:
+        _stop(proc)
+        raise
+    finally:
+        if stopped:
+            _stop(proc)
+        proc.stdout.close()
+    code = proc.wait()
+    text = cap(kept.decode("utf-8", "replace"), RESULT_CHARS - 200)  # room for the lines below
+    if total > len(kept):
+        text += f"\n[output: {total:,} bytes, the first {len(kept):,} read]"
+    took = time.monotonic() - t0
+    ended = f"exit code {code}, {took:.1f} s"
+    if stopped:
+        ended = f"stopped after {timeout:g} s" if took >= timeout else "stopped by the user"
+    return f"{text}\n[{ended}]"
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

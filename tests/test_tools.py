@@ -1,0 +1,166 @@
+"""Tool calls in each model's own format: the conformance of every step's prompt with the template's
+official rendering (tools, calls and results), on the real demo model with each official template that
+takes tools, the calls forced through the reply tokens as the reasoning tests force thoughts."""
+
+from __future__ import annotations
+
+import pytest
+
+from localchat.chat.official import template_messages
+from localchat.chat.turns import Chat
+from localchat.chatformat import reasoning
+from localchat.chatformat.toolcalls import ToolCall
+from localchat.errors import ToolsUnsupported
+from localchat.tools.builtin import Decision, Toolbox
+from localchat.tools.rooted import Root
+from tests.official_templates import TEMPLATES
+from tests.test_official import SCRIPTS, SYSTEM, chat_with, forced_reply, kv_text
+
+NOT_TAKING_TOOLS = {  # templates of the suite that render no tool list or no calls, and what is said
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja": "does not take tools",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "does not take tools",
+    "microsoft-Phi-3.5-mini-instruct.jinja": "does not take tools",
+    "HuggingFaceTB-SmolLM3-3B.jinja": "does not take tools",
+    "google-gemma-2-2b-it.jinja": "does not take tools",
+    "ibm-granite-granite-3.3-2B-Instruct.jinja": "does not render tool calls",
+}
+TAKING_TOOLS = [t for t in TEMPLATES if t not in NOT_TAKING_TOOLS]
+NOTES = "Bread is made of flour, water and salt.\n"
+QUESTION = "What is bread made of? Read notes.txt."
+
+
+# templates that rewrite the history once a result follows a call, as they rewrite it between turns: the
+# step keeps the KV (its own tokens match from the call on) and the official form applies after the loop
+REWRITES = {
+    "Qwen-QwQ-32B.jinja": "the generation prompt opens thoughts the rendering of a call drops",
+    "NVIDIA-Nemotron-Nano-v2.jinja": "the generation prompt opens thoughts the rendering of a call drops",
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": "the system prompt goes with the last message, a user's",
+    "CohereForAI-c4ai-command-r-plus-tool_use.jinja": "its last instruction moves to after the results",
+}
+
+
+def toolbox(root, offered: tuple[str, ...] = ("read_file",)) -> Toolbox:
+    return Toolbox(Root(root), approve=lambda request: Decision("once"), offered=offered)
+
+
+def official_prompt(chat: Chat, upto: int | None = None) -> str:
+    """The template's rendering of the window's messages (the first `upto`), with a generation prompt."""
+    window = [m for m in chat.conv.messages if m.in_window][:upto]
+    return chat.fmt.render(chat.fmt.with_system(chat.conv.system, template_messages(chat.fmt, chat.engine, window)),
+                           True)
+
+
+def _answer(style: str, i: int) -> str:
+    return SCRIPTS[style].format(i=i) if style else f"Answer number {i}."
+
+
+@pytest.mark.parametrize("name", TAKING_TOOLS)
+def test_every_step_of_a_tool_loop_is_the_official_rendering(demo_engine, official_dir, tmp_path, name):
+    (tmp_path / "notes.txt").write_text(NOTES)
+    source = (official_dir / name).read_text()
+    style = reasoning.detect(source)
+    for system in (None, SYSTEM):
+        chat = chat_with(demo_engine, source, system)
+        chat.enable_tools(toolbox(tmp_path), 10, "the demo model")
+        call = ToolCall("read_file", {"path": "notes.txt"}, "a1b2c3d4e")
+        with forced_reply(demo_engine, chat.tool_format.call_text([call]), _answer(style, 1)):
+            st = chat.turn(QUESTION)
+        first, = st.steps
+        window = [m for m in chat.conv.messages if m.in_window]
+        assert [m.role for m in window] == ["user", "assistant", "tool", "assistant"], name
+        assert [(c["name"], c["arguments"]) for c in window[1].calls] == [("read_file", {"path": "notes.txt"})]
+        assert window[1].calls[0]["id"]  # the model's own id, or one given (nine characters, as Mistral wants)
+        assert window[2].content == NOTES.rstrip("\n") and window[2].call["status"] == "ok"
+        prompt = kv_text(demo_engine, chat.conv.window_tokens()[:first.prompt_tokens])
+        assert prompt == official_prompt(chat, 1), (name, system)
+        step, official = kv_text(demo_engine, chat.conv.window_tokens()[:st.prompt_tokens]), official_prompt(chat, 3)
+        if name in REWRITES and step != official:  # from the call on, the same; before it, the template's rewrite
+            call_at = official.find(chat.tool_format.opening or "{", official.find(QUESTION))
+            assert step.endswith(official[call_at:]), (name, system)
+        else:
+            assert step == official, (name, system)  # the call, its result, the next prompt
+        assert st.recomputed_tokens <= st.new_tokens + 1, (name, system, st)
+        assert st.extra["tool_calls"] == 1 and st.extra["tool_result_tokens"] > 0
+        chat.warm_next_head()  # after the loop, the official form; then the next turn costs its own words
+        with forced_reply(demo_engine, _answer(style, 2)):
+            nxt = chat.turn("Thanks. And salt?")
+        prompt = kv_text(demo_engine, chat.conv.window_tokens()[:nxt.prompt_tokens])
+        assert prompt == official_prompt(chat, 5), (name, system)
+        assert nxt.recomputed_tokens <= nxt.new_tokens + 1, (name, system, nxt)
+
+
+@pytest.mark.parametrize("name", list(NOT_TAKING_TOOLS))
+def test_a_template_without_tools_is_refused_with_the_model_named(demo_engine, official_dir, name):
+    chat = chat_with(demo_engine, (official_dir / name).read_text(), None)
+    with pytest.raises(ToolsUnsupported, match=f"the demo model cannot call tools: .*{NOT_TAKING_TOOLS[name]}"):
+        chat.enable_tools(toolbox(official_dir), 10, "the demo model")
+    assert chat.runner is None and not chat.fmt.tools
+
+
+# ---------------------------------------------------------------- the built-in tools, on real files
+def test_tools_refuse_bad_calls_with_one_line_and_run_nothing(tmp_path):
+    (tmp_path / "notes.txt").write_text(NOTES)
+    (tmp_path / "out").symlink_to("/etc")
+    asked = []
+    box = Toolbox(Root(tmp_path), approve=lambda r: (asked.append(r), Decision("deny"))[1],
+                  allowed={"read_file", "list_files", "search_text"})
+    assert box.run("delete_all", {}).status == "error" and "unknown tool" in box.run("delete_all", {}).text
+    bad = box.run("read_file", {"file": "notes.txt"})
+    assert bad.status == "error" and "missing path; unknown file" in bad.text and not asked
+    assert box.run("read_file", {"path": "notes.txt"}).text == NOTES.rstrip("\n") and not asked  # in advance
+    for outside in ("../x", "/etc/hostname", "out/hostname"):  # a symlink out of the root is outside too
+        assert box.run("read_file", {"path": outside}).status == "denied"
+    assert [r.outside for r in asked] == [str((tmp_path / "../x").resolve()), "/etc/hostname", "/etc/hostname"]
+    assert box.run("write_file", {"path": "new.txt", "content": "x"}).status == "denied"
+    assert not (tmp_path / "new.txt").exists()  # nothing with a side effect runs before approval
+    assert "+x" in asked[-1].shown and asked[-1].side_effect
+
+
+def test_an_edit_is_shown_as_a_diff_and_written_whole(tmp_path):
+    (tmp_path / "notes.txt").write_text(NOTES)
+    seen = []
+    box = Toolbox(Root(tmp_path), approve=lambda r: (seen.append(r), Decision("once"))[1])
+    assert box.run("edit_file", {"path": "notes.txt", "old": "salt", "new": "yeast"}).status == "ok"
+    assert "-Bread is made of flour, water and salt." in seen[0].shown and "+Bread is made of flour, water and yeast." \
+        in seen[0].shown
+    assert (tmp_path / "notes.txt").read_text() == NOTES.replace("salt", "yeast")
+    twice = box.run("edit_file", {"path": "notes.txt", "old": "a", "new": "b"})
+    assert twice.status == "error" and "must occur once" in twice.text
+
+
+def test_commands_are_approved_per_exact_command_and_stopped_at_their_bounds(tmp_path):
+    seen = []
+    box = Toolbox(Root(tmp_path), approve=lambda r: (seen.append(r), Decision("always"))[1], timeout=1)
+    assert "exit code 0" in box.run("run_command", {"command": "echo hi"}).text
+    assert not seen[0].may_always and "run_command" not in box.allowed  # never "always" for a command
+    hung = box.run("run_command", {"command": "sleep 30"}).text
+    assert "stopped after 1 s" in hung
+    flood = box.run("run_command", {"command": "head -c 10000000 /dev/zero | tr '\\\\0' y"}).text
+    assert "[output: 10,000,000 bytes" in flood and len(flood) < 13_000
+
+
+def test_a_denied_call_is_told_to_the_model_and_the_loop_survives_a_resume(demo_engine, official_dir, tmp_path):
+    from localchat.chat import transcript
+    (tmp_path / "notes.txt").write_text(NOTES)
+    chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
+    box = Toolbox(Root(tmp_path), approve=lambda r: Decision("deny"), offered=("read_file", "write_file"))
+    chat.enable_tools(box, 10, "the demo model")
+    call = ToolCall("write_file", {"path": "x.txt", "content": "hi"})
+    with forced_reply(demo_engine, chat.tool_format.call_text([call]), "I could not write it."):
+        st = chat.turn("Write x.txt")
+    result = chat.conv.messages[2]
+    assert result.role == "tool" and result.content == "denied by the user" and result.call["status"] == "denied"
+    assert not (tmp_path / "x.txt").exists() and "denied by the user" in kv_text(demo_engine, demo_engine.tokens)
+    assert st.recomputed_tokens <= st.new_tokens + 1
+    replayed = transcript.replay(chat.events)
+    assert [m.role for m in replayed.messages] == ["user", "assistant", "tool", "assistant"]
+    assert replayed.window_tokens() == chat.conv.window_tokens()  # token for token, the loop included
+    assert replayed.messages[1].calls == chat.conv.messages[1].calls
+
+
+def test_tools_on_a_model_whose_template_takes_none_is_one_line_and_exit_2(home, demo_path):
+    from tests.conftest import run_cli
+    r = run_cli(["--model", str(demo_path), "--tools"], "Hello\n", {"LOCALCHAT_HOME": str(home)})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
+        "SmolLM2-135M-Instruct.Q4_1.gguf cannot call tools: its chat template does not take tools")
+    assert not r.stdout
