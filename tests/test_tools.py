@@ -164,3 +164,17 @@ def test_tools_on_a_model_whose_template_takes_none_is_one_line_and_exit_2(home,
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
         "SmolLM2-135M-Instruct.Q4_1.gguf cannot call tools: its chat template does not take tools")
     assert not r.stdout
+
+
+def test_three_calls_in_one_reply_each_get_their_result(demo_engine, official_dir, tmp_path):
+    for i in range(3):
+        (tmp_path / f"n{i}.txt").write_text(f"note {i}\n")
+    chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
+    chat.enable_tools(toolbox(tmp_path), 10, "the demo model")
+    calls = [ToolCall("read_file", {"path": f"n{i}.txt"}, f"c{i}") for i in range(3)]
+    with forced_reply(demo_engine, chat.tool_format.call_text(calls), "Three notes."):
+        st = chat.turn("Read the three notes.")
+    results = [m for m in chat.conv.messages if m.role == "tool"]
+    assert [m.content for m in results] == ["note 0", "note 1", "note 2"] and st.extra["tool_calls"] == 3
+    assert kv_text(demo_engine, chat.conv.window_tokens()[:st.prompt_tokens]) == official_prompt(chat, 5)
+    assert st.recomputed_tokens <= st.new_tokens + 1

@@ -50,7 +50,7 @@ def forced_reply(engine: Engine, tokens: list[int], *more: list[int]) -> Iterato
 
     def generate(sampler: object, max_tokens: int, gen: Generation, cancelled: Callable[[], bool] | None = None,
                  inject: Callable[[], list[int]] | None = None, spec: object = None) -> Generator[str, None, None]:
-        reply = queue[min(turn[0], len(queue) - 1)] if turn[0] < len(queue) else tokens
+        reply = queue[turn[0]] if turn[0] < len(queue) else tokens
         turn[0] += 1
         for tok in reply:
             gen.last_token_at = time.perf_counter()

@@ -41,13 +41,14 @@ class Steps(Protocol):
     max_tool_calls: int
 
     def last_calls(self) -> list[ToolCall]: ...
-    def tool_step(self, calls: list[ToolCall], outcomes: list[Outcome], answer: bool) -> TurnStats: ...
 
 
 GoOn = Callable[[int], bool]  # asked after this many calls in one reply: go on?
+Step = Callable[[list[ToolCall], list[Outcome], bool], TurnStats]  # results in, the next reply out (bool: answer)
 
 
-def loop(chat: Steps, first: TurnStats, cancelled: Callable[[], bool] | None, go_on: GoOn | None) -> TurnStats:
+def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool] | None,
+         go_on: GoOn | None) -> TurnStats:
     """Run the calls of the reply just made, and of the replies that follow, until the model answers
     without calling, the user stops it (Ctrl-C, or no at the budget of calls), or a reply is cut. The
     last step's stats are returned; the earlier steps' are in its `steps`."""
@@ -65,6 +66,6 @@ def loop(chat: Steps, first: TurnStats, cancelled: Callable[[], bool] | None, go
             outcomes.append(Stopped() if stopped else chat.runner.call(call, cancelled))
         made += len(calls)
         steps.append(last)
-        last = chat.tool_step(calls, outcomes, answer=not (cancelled is not None and cancelled()))
+        last = step(calls, outcomes, not (cancelled is not None and cancelled()))
     last.steps = steps
     return last

@@ -86,7 +86,6 @@ class Chat:
         self.tool_format: ToolFormat | None = None
         self.max_tool_calls = 10
         self.go_on: tools.GoOn | None = None  # asked when a reply reaches max_tool_calls
-        self._opts: replystream.ReplyOptions | None = None  # the turn's reply options, for its tool steps
         self.ahead = Ahead(self)  # the work done while the user is not waiting
 
     @property
@@ -121,23 +120,24 @@ class Chat:
             return []
         return [ToolCall(c["name"], c.get("arguments", {}), c.get("id", "")) for c in last.calls]
 
-    def tool_step(self, calls: list[ToolCall], outcomes: list[tools.Outcome], answer: bool = True) -> TurnStats:
+    def tool_step(self, calls: list[ToolCall], outcomes: list[tools.Outcome], opts: replystream.ReplyOptions,
+                  answer: bool = True) -> TurnStats:
         """One step of a tool loop: the results go in as the template's delta after the calls (the call's
         end, each result as plain text, the next generation prompt), then the model replies (`answer`
         False: Ctrl-C stopped the loop; the results are kept, the reply is left cut)."""
-        e, opts = self.engine, self._opts
-        assert self.tool_format is not None and opts is not None
+        e = self.engine
+        assert self.tool_format is not None
         t0 = time.perf_counter()
         st = TurnStats(turn=self.conv.turns, n_ctx=e.n_ctx)
-        heads, bodies = self._result_delta(calls, outcomes)
+        heads, results, tail = self._result_delta(calls, outcomes)
+        bodies = results[:-1] + [results[-1] + tail]  # the last result's message ends with the next prompt
         st.new_tokens = sum(map(len, heads)) + sum(map(len, bodies))
         self._room_for_step(st.new_tokens, st)
         for call, outcome, head, body in zip(calls, outcomes, heads, bodies):
             self._record(self.conv.add_result(outcome.text, head, body, {"name": call.name, "id": call.id,
                                                                           "status": outcome.status}))
         st.extra.update(step=len([m for m in self._exchange() if m.role == "assistant"]), tool_calls=len(calls),
-                        tool_result_tokens=sum(len(self._tok(self.result_written(o.text), special=False))
-                                               for o in outcomes))
+                        tool_result_tokens=sum(map(len, results)))
         prompt = self.conv.window_tokens()
         e.reset_perf()
         gen = Generation(tokens=[])
@@ -178,22 +178,16 @@ class Chat:
         last_user = max(i for i, m in enumerate(self.conv.messages) if m.role == "user")
         return self.conv.messages[last_user:]
 
-    def _result_delta(self, calls: list[ToolCall], outcomes: list[tools.Outcome]) -> tuple[list[list[int]],
-                                                                                          list[list[int]]]:
-        """Each result's (head, body) tokens: the template's text before it (special tokens parsed), the
-        result as plain text (a result is untrusted: it can open or close nothing), the text after the last."""
+    def _result_delta(self, calls: list[ToolCall], outcomes: list[tools.Outcome]) -> tuple[
+            list[list[int]], list[list[int]], list[int]]:
+        """The results' tokens: the template's text before each (special tokens parsed), each result as
+        plain text (a result is untrusted: it can open or close nothing), the template's text after the last."""
         assert self.tool_format is not None
-        parts = self.tool_format.result_text(calls)
-        first = parts[0][0]
-        last = self.conv.messages[-1].tokens
-        if last and self.engine.is_eog(last[-1]):  # the sampled end token already wrote the call's end
-            eog = self.engine.piece(last[-1], special=True).decode("utf-8", "replace")
-            first = first[len(eog):] if first.startswith(eog) else first
-        texts = [first] + [p[0] for p in parts[1:]]
+        texts = [text for text, _ in self.tool_format.result_text(calls)]
+        texts[0] = self._past_reply(texts[0])
         heads = [self._tok(t) for t in texts[:-1]]
-        bodies = [self._tok(self.result_written(o.text), special=False) for o in outcomes]
-        bodies[-1] = bodies[-1] + self._tok(texts[-1])
-        return heads, bodies
+        results = [self._tok(self.result_written(o.text), special=False) for o in outcomes]
+        return heads, results, self._tok(texts[-1])
 
     # ---------------------------------------------------------------- deltas
     def _tok(self, text: str, special: bool = True, bos: bool = False) -> list[int]:
@@ -217,6 +211,14 @@ class Chat:
         """The next turn's head as the template's delta gives it."""
         return self._delta("")[0]
 
+    def _past_reply(self, closing: str) -> str:
+        """The template text that follows the last reply, less what its sampled end token already wrote
+        (`_settle_reply` keeps that token only where the text starts with it)."""
+        last = self.conv.messages[-1].tokens
+        if last and self.engine.is_eog(last[-1]):
+            return closing[len(self.engine.piece(last[-1], special=True).decode("utf-8", "replace")):]
+        return closing
+
     def _delta(self, text: str) -> tuple[list[int], list[int]]:
         """(head, body): the closing of the last reply and the user header; the words and the
         generation prompt. The first exchange's head is the prefix itself."""
@@ -228,12 +230,7 @@ class Chat:
             head = list(self.ahead.head)
         else:
             t = self.fmt.next_turn(self.conv.system, "")
-            before = t.before
-            last = self.conv.messages[-1].tokens
-            if last and self.engine.is_eog(last[-1]):
-                # the sampled end-of-turn token already closed the reply
-                before = before[len(self.engine.piece(last[-1], special=True).decode("utf-8", "replace")):]
-            head = self._tok(before)
+            head = self._tok(self._past_reply(t.before))
         return head, self.docs.tokens() + self._tok(text, special=False) + self._tok(t.after)
 
     # ---------------------------------------------------------------- turns
@@ -287,8 +284,8 @@ class Chat:
         st = self._finish(st, t0, gen, inputs, prompt_eval)
         if self.runner is None:
             return st
-        self._opts = dataclasses.replace(opts, on_thought=on_thought)
-        return tools.loop(self, st, cancelled, self.go_on)
+        return tools.loop(self, st, lambda calls, outcomes, answer: self.tool_step(calls, outcomes, opts, answer),
+                          cancelled, self.go_on)
 
     def _lay_out(self, text: str, st: TurnStats, inputs: TurnInputs) -> _Laid:
         """Make room, add the user's message with its delta, and say where the turn's own tokens start."""

@@ -60,6 +60,7 @@ class ChatFormat:
         self._next: dict[tuple[str, object, object, str], tuple[str, str]] = {}
         self.options: dict[str, object] = {}  # template switches: enable_thinking, reasoning_effort
         self.tools: list[dict] = []  # the tool list the template renders (OpenAI / Hugging Face shape)
+        self._tools_key = "[]"  # the list as a delta's cache key, made once (deltas are asked for each turn)
         if "enable_thinking" in self.source:
             self.options["enable_thinking"] = True  # llama.cpp's default; some templates read "undefined" as off
         self.system_role = True  # False: the template refuses a system message; it is folded in
@@ -132,10 +133,10 @@ class ChatFormat:
     def _key(self, system: str | None) -> tuple[str, object, object, str]:
         """What a delta depends on: the system prompt, the date, the switches and the tool list."""
         return (system or "", self.now.date() if self.now else None, tuple(sorted(self.options.items())),
-                json.dumps(self.tools, sort_keys=True))
+                self._tools_key)
 
     def set_tools(self, tools: list[dict]) -> None:
-        self.tools = list(tools)
+        self.tools, self._tools_key = list(tools), json.dumps(tools, sort_keys=True)
 
     def _split(self, text: str, start: int) -> tuple[str, str]:
         i = text.find(USER_SENTINEL, start)

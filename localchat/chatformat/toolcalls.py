@@ -21,9 +21,6 @@ from localchat.chatformat.templates import REPLY_SENTINEL, USER_SENTINEL, ChatFo
 from localchat.errors import TemplateFailure
 
 RESULT_SENTINEL = "LocalchatResultSentinel5d2e"
-_NAMES = ("lcprobe_alpha", "lcprobe_beta")
-_VALUES = ("Zqxfirstvalue", "Zqxsecondvalue")
-_IDS = ("a1b2c3d4e", "f5g6h7i8j")  # nine letters and digits: Mistral's templates refuse other call ids
 _THOUGHT_ENDS = ("</think>", "<channel|>", "<|END_THINKING|>")
 _MARKER = re.compile(r"<\|[^|<>]*\|>|<[^<>\s]+>|\[[A-Z_]+\]|```\w*|\S+")
 
@@ -33,8 +30,25 @@ def tool_schema(name: str, description: str, parameters: dict[str, Any]) -> dict
     return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
 
 
-_PROBE_TOOLS = [tool_schema(n, "A probe.", {"type": "object", "properties": {
-    "city": {"type": "string", "description": "A city."}}, "required": ["city"]}) for n in _NAMES]
+def _name(i: int) -> str:
+    return f"lcprobe{i}z"  # each probe's name, value, id and result marker: none is part of another's
+
+
+def _value(i: int) -> str:
+    return f"Zqxvalue{i}z"
+
+
+def _id(i: int) -> str:
+    return f"p{i:07d}q"  # nine letters and digits: Mistral's templates refuse other call ids
+
+
+def _result(i: int) -> str:
+    return f"{RESULT_SENTINEL}{i}z"
+
+
+def _probe_tools(n: int) -> list[dict[str, Any]]:
+    return [tool_schema(_name(i), "A probe.", {"type": "object", "properties": {
+        "city": {"type": "string", "description": "A city."}}, "required": ["city"]}) for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -59,8 +73,8 @@ class Found:
     error: str = ""
 
 
-def _probe_call(i: int, name: str | None = None) -> ToolCall:
-    return ToolCall(name or _NAMES[i], {"city": _VALUES[i]}, _IDS[i])
+def _probe_call(i: int) -> ToolCall:
+    return ToolCall(_name(i), {"city": _value(i)}, _id(i))
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -113,27 +127,28 @@ class ToolFormat:
         self.kind, self.reason, self.opening, self.multiple = "", "", "", False
         self.escapes_results = False  # the template writes a result as a JSON string's inside
         self._keys: dict[str, str] = {}  # json: the keys of a call's name, arguments, id
-        self._pre, self._mid = "", ""  # name-args: the text before each call's name, between it and its arguments
+        self._pre = ""  # name-args: the text before each call's name
+        self._id_before, self._args_marker = "", ""  # name-args: what opens the id, what ends before the arguments
         self._close = ""  # what the model writes after a call's last argument
-        self._deltas: dict[int, tuple[int, str]] = {}  # calls: (where the model's text starts, the text after it)
+        self._after: dict[int, str | None] = {}  # the template's text after n probe calls (None: it takes fewer)
         try:
             self._derive()
         except TemplateFailure as exc:
             self.kind, self.reason = "", f"its chat template fails with tools ({exc})"
 
     # ------------------------------------------------------------ probing
-    def _render(self, messages: list[dict[str, Any]], gen: bool = True) -> str:
-        return self.fmt.render(messages, gen, tools=_PROBE_TOOLS)
+    def _render(self, messages: list[dict[str, Any]], gen: bool = True, n_tools: int = 2) -> str:
+        return self.fmt.render(messages, gen, tools=_probe_tools(n_tools))
 
     def _exchange(self, calls: list[ToolCall], results: list[str] | None = None) -> list[dict[str, Any]]:
-        results = results if results is not None else [f"{RESULT_SENTINEL}{i}" for i in range(len(calls))]
+        results = results if results is not None else [_result(i) for i in range(len(calls))]
         return [{"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "", "tool_calls": [c.message() for c in calls]},
                 *({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": r} for c, r in zip(calls, results))]
 
     def _derive(self) -> None:
         asked = self._render([{"role": "user", "content": "Hi"}])
-        if _NAMES[0] not in asked:
+        if _name(0) not in asked:
             self.reason = "its chat template does not take tools"
             return
         one = self._render(self._exchange([_probe_call(0)]))
@@ -141,17 +156,17 @@ class ToolFormat:
         if start < 0:
             self.reason = "its chat template does not render tool calls"
             return
-        self._deltas[1] = (start, one[end:])
+        self._after[1] = one[end:]
         text = one[start:end]
         self._syntax(text[_after_thoughts(text):].lstrip())
-        self.multiple = self._two_calls(asked)
+        self.multiple = self._two_calls()
         self.escapes_results = self._result_escaped()
 
     def _model_span(self, asked: str, rendered: str) -> tuple[int, int]:
         """Where the model's own text of the probe call starts and ends in `rendered` ((-1, -1): not there)."""
         start = _model_start(asked, rendered)
-        at = rendered.rfind(_VALUES[0]) + len(_VALUES[0])
-        if at < start + len(_VALUES[0]):
+        at = rendered.rfind(_value(0)) + len(_value(0))
+        if at < start + len(_value(0)):
             return -1, -1
         self._close = self._call_close(rendered[at:])
         if not rendered.startswith(self._close, at):
@@ -162,8 +177,8 @@ class ToolFormat:
         """The text the model writes after a call's last argument: what a call's tail and an ordinary reply's
         tail (each followed by a user message) do not share; where a call cannot be followed by a user
         message, up to the marker that closes an ordinary reply."""
-        plain = self.fmt.render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": REPLY_SENTINEL},
-                                 {"role": "user", "content": USER_SENTINEL}], True, tools=_PROBE_TOOLS)
+        plain = self._render([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": REPLY_SENTINEL},
+                              {"role": "user", "content": USER_SENTINEL}])
         reply_tail = plain[plain.find(REPLY_SENTINEL) + len(REPLY_SENTINEL):plain.find(USER_SENTINEL)]
         try:
             before_user = self._render([{"role": "user", "content": "Hi"},
@@ -172,13 +187,13 @@ class ToolFormat:
         except TemplateFailure:
             closing = (_MARKER.findall(reply_tail) or [""])[0]
             return rest[:rest.find(closing)] if closing and closing in rest else ""
-        at = before_user.rfind(_VALUES[0]) + len(_VALUES[0])
+        at = before_user.rfind(_value(0)) + len(_value(0))
         call_tail = before_user[at:before_user.find(USER_SENTINEL)]
         return _whole_markers(call_tail[:len(call_tail) - _common_suffix(call_tail, reply_tail)], call_tail)
 
     def _syntax(self, text: str) -> None:
         """The call's syntax, from the probe call's text as the model writes it."""
-        name = _NAMES[0]
+        name = _name(0)
         if f"<function={name}>" in text:
             self.kind, self.opening = "xml", text[:text.find("<function=")]
         elif "<arg_key>" in text:
@@ -190,11 +205,13 @@ class ToolFormat:
         else:
             self.kind, at = "name-args", text.find(name)
             self.opening, self._pre = text[:at], text[:at]
-            self._mid = text[at + len(name):text.find("{", at)]
+            mid = text[at + len(name):text.find("{", at)]  # Mistral Small 3.2: [CALL_ID]<id>[ARGS]
+            self._id_before = mid.split(_id(0))[0] if _id(0) in mid else ""
+            self._args_marker = (_MARKER.findall(mid.split(_id(0))[-1]) or [""])[-1].strip()
         self.opening = self.opening.strip()
 
     def _json_syntax(self, text: str) -> None:
-        at = text.find(f'"{_NAMES[0]}"')
+        at = text.find(f'"{_name(0)}"')
         decoder = json.JSONDecoder()
         for start in (i for i, c in enumerate(text[:at]) if c in "{["):
             try:
@@ -211,47 +228,55 @@ class ToolFormat:
             return
         self.kind, self.opening = "json", text[:start]
         for k, v in first.items():
-            role = "name" if v == _NAMES[0] else "args" if v == {"city": _VALUES[0]} else \
+            role = "name" if v == _name(0) else "args" if v == {"city": _value(0)} else \
                 "id" if isinstance(v, str) and k.endswith("id") else ""
             if role:
                 self._keys[role] = k
 
-    def _two_calls(self, asked: str) -> bool:
-        try:
+    def _two_calls(self) -> bool:
+        """Whether a reply may hold several calls; for a name-then-arguments syntax, each call's own opening."""
+        if self._after_calls(2) is None:
+            return False
+        if self.kind == "name-args":  # what precedes both names
             two = self._render(self._exchange([_probe_call(0), _probe_call(1)]))
-        except TemplateFailure:
-            return False
-        at = two.rfind(_VALUES[1]) + len(_VALUES[1])
-        if at < len(_VALUES[1]) or f"{RESULT_SENTINEL}1" not in two or not two.startswith(self._close, at):
-            return False
-        if self.kind == "name-args":  # each call's own opening: what precedes both names
-            between = two[two.find(_VALUES[0]):two.find(_NAMES[1])]
+            between = two[two.find(_value(0)):two.find(_name(1))]
             self._pre = self._pre[len(self._pre) - _common_suffix(self._pre, between):] or self._pre
-        self._deltas[2] = (_model_start(asked, two), two[at + len(self._close):])
         return True
+
+    def _after_calls(self, n: int) -> str | None:
+        """The template's text after n probe calls and their results (None: it does not render n calls)."""
+        if n not in self._after:
+            calls = [_probe_call(i) for i in range(n)]
+            try:
+                text = self._render(self._exchange(calls), n_tools=n)
+            except TemplateFailure:
+                text = ""
+            at = text.rfind(_value(n - 1)) + len(_value(n - 1))
+            ok = at >= len(_value(n - 1)) and _result(n - 1) in text and text.startswith(self._close, at)
+            self._after[n] = text[at + len(self._close):] if ok else None
+        return self._after[n]
 
     def _result_escaped(self) -> bool:
         probe = f'{RESULT_SENTINEL}"\n{RESULT_SENTINEL}'
-        text = self._render(self._exchange([_probe_call(0)], [probe]))
+        text = self._render(self._exchange([_probe_call(0)], [probe]))  # a quote and a newline: escaped or not
         i = text.find(RESULT_SENTINEL)
         return text[i + len(RESULT_SENTINEL):text.find(RESULT_SENTINEL, i + 1)] == '\\"\\n'
 
     # ------------------------------------------------------------ the model's side
-    def _stand_in(self, calls: list[ToolCall], results: list[str] | None = None) -> tuple[str, int, str]:
-        """A one-exchange rendering with these calls: (the text, where the model's text starts, the text
-        after the calls)."""
-        n = 1 if len(calls) == 1 or not self.multiple else 2
-        if len(calls) > n:
-            raise TemplateFailure(f"this model's template takes {n} tool call(s) per reply", "template")
-        start, after = self._deltas[n]
+    def _after_these(self, calls: list[ToolCall]) -> str:
+        """The template's text after these calls, around their results (marked) up to the next prompt."""
+        after = self._after_calls(len(calls)) if self.multiple or len(calls) == 1 else None
+        if after is None:
+            raise TemplateFailure(f"this model's template does not take {len(calls)} tool calls in one reply",
+                                  "template")
         for i, c in enumerate(calls):
-            after = after.replace(_NAMES[i], c.name).replace(_IDS[i], c.id)
-        text = self.fmt.render(self._exchange(calls, results), True)
-        return text, start, after
+            after = after.replace(_name(i), c.name).replace(_id(i), c.id)
+        return after
 
     def call_text(self, calls: list[ToolCall]) -> str:
         """The text the model writes for these calls, as its template renders them."""
-        text, _, after = self._stand_in(calls)
+        after = self._after_these(calls)
+        text = self.fmt.render(self._exchange(calls, [_result(i) for i in range(len(calls))]), True)
         start = _model_start(self.fmt.render([{"role": "user", "content": "Hi"}], True), text)
         if not text.endswith(after):
             raise TemplateFailure("the template renders these calls in an unexpected form", "template")
@@ -260,14 +285,14 @@ class ToolFormat:
     def result_text(self, calls: list[ToolCall]) -> list[tuple[str, int]]:
         """The template text after the calls and around their results, up to the next generation prompt:
         [(template text, index of the result that follows it, or -1 at the end)]."""
-        _, _, after = self._stand_in(calls)
+        after = self._after_these(calls)
         parts: list[tuple[str, int]] = []
         for i in range(len(calls)):
-            cut = after.find(f"{RESULT_SENTINEL}{i}")
+            cut = after.find(_result(i))
             if cut < 0:
                 raise TemplateFailure("the template drops a tool result", "template")
             parts.append((after[:cut], i))
-            after = after[cut + len(f"{RESULT_SENTINEL}{i}"):]
+            after = after[cut + len(_result(i)):]
         return [*parts, (after, -1)]
 
     def result_as_written(self, result: str) -> str:
@@ -284,7 +309,7 @@ class ToolFormat:
             return Found(raw)
         try:
             calls = getattr(self, f"_parse_{self.kind.replace('-', '_')}")(raw[at:])
-        except (ValueError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError, IndexError) as exc:  # IndexError: a call cut off
             return Found(raw[:at], [], at, f"the tool call does not parse: {exc}")
         if not calls:
             return Found(raw[:at], [], at, "the tool call does not parse")
@@ -301,7 +326,7 @@ class ToolFormat:
         decoder, pos = json.JSONDecoder(), 0
         calls: list[ToolCall] = []
         while True:
-            at = text.find(self.opening, pos) if self.opening else (pos if pos == 0 else -1)
+            at = text.find(self.opening, pos) if self.opening else 0
             if at < 0:
                 return calls
             start = at + len(self.opening)
@@ -323,15 +348,13 @@ class ToolFormat:
 
     def _parse_name_args(self, text: str) -> list[ToolCall]:
         decoder, calls = json.JSONDecoder(), []
-        marker = (_MARKER.findall(self._mid.split(_IDS[0])[-1]) or [""])[-1]
-        id_before = self._mid.split(_IDS[0])[0] if _IDS[0] in self._mid else ""
         for m in re.finditer(re.escape(self._pre.strip()) + r"\s*([\w.\-]+)", text):
             brace = text.find("{", m.end())
             between = text[m.end():brace]
-            if brace < 0 or not between.rstrip().endswith(marker.strip()):
+            if brace < 0 or not between.rstrip().endswith(self._args_marker):
                 continue
             args, _ = decoder.raw_decode(text, brace)
-            got = re.match(re.escape(id_before) + r"(\w+)", between) if id_before else None
+            got = re.match(re.escape(self._id_before) + r"(\w+)", between) if self._id_before else None
             calls.append(ToolCall(m.group(1), args, got.group(1) if got else ""))
         return calls
 

@@ -126,7 +126,6 @@ class Toolbox:
     approve: Approver
     allowed: set[str] = field(default_factory=set)  # approved in advance (the profile's allow_tools, "always")
     timeout: float = 60.0
-    commands: set[str] = field(default_factory=set)  # exact commands approved for the session
     cancelled: Callable[[], bool] | None = None  # Ctrl-C, polled while a command runs
     offered: tuple[str, ...] = READ_ONLY + SIDE_EFFECTS  # the tools the model is told of
     report: Callable[[str], None] | None = None  # a line per call: what ran and how it ended
@@ -139,8 +138,7 @@ class Toolbox:
         self.cancelled = cancelled
         result = self.run(call.name, call.arguments)
         if self.report is not None:
-            shown = ", ".join(f"{k}={v!r}" for k, v in call.arguments.items()) if isinstance(call.arguments, dict) \
-                else ""
+            shown = _arguments(call.arguments) if isinstance(call.arguments, dict) else ""
             self.report(f"[tool {call.name}({shown[:200]}): {result.status}, {len(result.text):,} characters]")
         return result
 
@@ -165,9 +163,7 @@ class Toolbox:
             return Result(f"{name}: {exc.strerror or exc}", "error")
 
     def _decide(self, r: Request) -> Decision:
-        ahead = (r.tool in self.allowed and not r.outside and r.tool != "run_command") or \
-            (r.tool == "run_command" and r.arguments["command"] in self.commands)
-        if ahead:
+        if r.tool in self.allowed and r.may_always:  # never a command, never a path outside: asked each time
             return Decision("once")
         decision = self.approve(r)
         if decision.verdict == "always" and r.may_always:
@@ -175,11 +171,8 @@ class Toolbox:
         return decision
 
     # ------------------------------------------------------------ what the user sees
-    def _place(self, given: str) -> Place:
-        return self.root.place(given)
-
     def _request(self, name: str, a: dict[str, Any]) -> Request:
-        place = self._place(a["path"]) if "path" in a else None
+        place = self.root.place(a["path"]) if "path" in a else None
         outside = str(place.path) if place is not None and not place.inside else ""
         if name == "write_file":
             assert place is not None
@@ -190,7 +183,7 @@ class Toolbox:
         elif name == "run_command":
             shown = f"$ {a['command']}\n(in {self.root.root})"
         else:
-            shown = ", ".join(f"{k}={v!r}" for k, v in a.items()) or "(the whole working directory)"
+            shown = _arguments(a) or "(the whole working directory)"
         return Request(name, a, shown, name in SIDE_EFFECTS, outside,
                        may_always=name != "run_command" and not outside)
 
@@ -204,7 +197,7 @@ class Toolbox:
 
     # ------------------------------------------------------------ the tools
     def _read_file(self, path: str, start: int = 1, end: int = 0) -> str:
-        p = self._place(path).path
+        p = self.root.place(path).path
         if p.is_dir():
             raise ToolError(f"{path} is a directory (list_files lists it)")
         with open(p, "rb") as f:
@@ -246,19 +239,23 @@ class Toolbox:
         return "\n".join(hits) if hits else "no matches"
 
     def _write_file(self, path: str, content: str) -> str:
-        p = self._place(path).path
+        p = self.root.place(path).path
         p.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(p, [content.encode()])
         return f"wrote {path} ({len(content.encode()):,} bytes)"
 
     def _edit_file(self, path: str, old: str, new: str) -> str:
-        p = self._place(path).path
+        p = self.root.place(path).path
         _, after = self._edited(p, old, new)
         atomic_write(p, [after.encode()])
         return f"edited {path}"
 
     def _run_command(self, command: str) -> str:
         return run_shell(command, self.root.root, self.timeout, self.cancelled)
+
+
+def _arguments(args: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in args.items())
 
 
 def _current(path: Path) -> str:
