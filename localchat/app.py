@@ -11,8 +11,9 @@ from typing import Any
 from localchat import runtime
 from localchat.chat import attaching
 from localchat.chat.stats import TurnStats
+from localchat.errors import ProfileError
 from localchat.session import lifecycle
-from localchat.tools.builtin import Toolbox
+from localchat.tools.builtin import Toolbox, advance_problem
 from localchat.tools.rooted import Root
 from localchat.ui import approval, status
 
@@ -36,6 +37,8 @@ def _offer_tools(rt: runtime.Runtime) -> None:
 
 def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     profile = runtime.load_profile(args.profile, overrides)
+    if profile.tools and (problem := advance_problem(profile.allow_tools)):
+        raise ProfileError(f"{profile.source}: {problem}")
     rt = runtime.open_runtime(profile, _report, verbose=args.verbose, explicit_ctx=args.n_ctx is not None)
     try:
         if rt.gpu_warning:

@@ -151,7 +151,8 @@ class Profile:
                                "are denied")
     allow_tools: tuple[str, ...] = setting(
         (), "a list of tool names", lambda v: len(v) <= 64 and all(isinstance(x, str) for x in v),
-        flag="--allow-tool", chat_only=True, help="tools that run without asking (line mode runs only these)")
+        flag="--allow-tool", chat_only=True,
+        help="read-only tools that run without asking (line mode runs only these)")
     max_tool_calls: int = setting(10, "a number of calls, 1 to 1000", lambda v: 1 <= v <= 1000,
                                   help="calls one reply may make before you are asked whether to go on")
     tool_timeout: float = setting(60.0, "a number of seconds, above 0", lambda v: 0 < v <= 86400,

@@ -178,3 +178,11 @@ def test_three_calls_in_one_reply_each_get_their_result(demo_engine, official_di
     assert [m.content for m in results] == ["note 0", "note 1", "note 2"] and st.extra["tool_calls"] == 3
     assert kv_text(demo_engine, chat.conv.window_tokens()[:st.prompt_tokens]) == official_prompt(chat, 5)
     assert st.recomputed_tokens <= st.new_tokens + 1
+
+
+def test_a_side_effect_cannot_be_approved_in_advance(home, demo_path):
+    from tests.conftest import run_cli
+    r = run_cli(["--model", str(demo_path), "--tools", "--allow-tool", "read_file", "--allow-tool", "write_file"],
+                "Hello\n", {"LOCALCHAT_HOME": str(home)})
+    assert r.returncode == 2 and "write_file has side effects: it is approved call by call, never in advance" in \
+        r.stderr.strip().splitlines()[-1] and not r.stdout

@@ -112,6 +112,18 @@ def validate(schema: dict[str, Any], args: Any) -> str:
     return ""
 
 
+def advance_problem(names: tuple[str, ...]) -> str:
+    """Why these tools cannot be approved in advance ("" when they can): only read-only tools may be;
+    a side effect is shown whole and approved call by call."""
+    for name in names:
+        if name not in _SCHEMAS:
+            return f"allow_tools: there is no built-in tool {name!r} (they are: {', '.join(_SCHEMAS)})"
+        if name in SIDE_EFFECTS:
+            return (f"allow_tools: {name} has side effects: it is approved call by call, never in advance "
+                    f"(tools that may be: {', '.join(READ_ONLY)})")
+    return ""
+
+
 def cap(text: str, most: int = RESULT_CHARS) -> str:
     if len(text) <= most:
         return text

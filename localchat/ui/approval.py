@@ -12,8 +12,8 @@ from localchat.tools.builtin import Decision, Request
 def pre_approved_only(report: Callable[[str], None]) -> Callable[[Request], Decision]:
     def approve(request: Request) -> Decision:
         where = f" (outside the working directory: {request.outside})" if request.outside else ""
-        how = f"; --allow-tool {request.tool} runs it without asking" if request.may_always else \
-            "; it is approved call by call, never in advance"
+        how = f"; --allow-tool {request.tool} runs it without asking" if request.may_always and \
+            not request.side_effect else "; it is approved call by call, never in advance"
         report(f"localchat: {request.tool} denied{where}: not approved in advance{how}")
         return Decision("deny")
     return approve
