@@ -172,8 +172,11 @@ def test_three_calls_in_one_reply_each_get_their_result(demo_engine, official_di
     chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
     chat.enable_tools(toolbox(tmp_path), 10, "the demo model")
     calls = [ToolCall("read_file", {"path": f"n{i}.txt"}, f"c{i}") for i in range(3)]
-    with forced_reply(demo_engine, chat.tool_format.call_text(calls), "Three notes."):
-        st = chat.turn("Read the three notes.")
+    shown: list[str] = []
+    with forced_reply(demo_engine, "Let me look.\n" + chat.tool_format.call_text(calls), "Three notes."):
+        st = chat.turn("Read the three notes.", on_text=shown.append)
+    assert "".join(shown).split() == ["Let", "me", "look.", "Three", "notes."]  # the calls are not shown as text
+    assert chat.conv.messages[1].content == "Let me look."
     results = [m for m in chat.conv.messages if m.role == "tool"]
     assert [m.content for m in results] == ["note 0", "note 1", "note 2"] and st.extra["tool_calls"] == 3
     assert kv_text(demo_engine, chat.conv.window_tokens()[:st.prompt_tokens]) == official_prompt(chat, 5)

@@ -34,6 +34,7 @@ class ReplyOptions:
     cancelled: Callable[[], bool] | None = None
     on_text: TextSink | None = None  # the answer, as it streams
     on_thought: TextSink | None = None  # the thoughts, as they stream
+    hold: str = ""  # the text that opens a tool call: from there on nothing is shown (the call is shown apart)
 
 
 class _Streamer:
@@ -41,15 +42,27 @@ class _Streamer:
         self.e, self.gen, self.opts = e, gen, opts
         self.out = Reply()
         self.scanner = StopScanner(opts.stops)
+        self.calls = StopScanner((opts.hold,)) if opts.hold else None
+        self.calling = False  # a tool call opened: the rest of the answer is not shown
         self.thoughts = thinking.Stream(opts.style, opts.opened) if opts.style else None
         self.raw = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.seen, self.forced = 0, False
 
     def answer(self, text: str) -> bool:
         shown, stopped = self.scanner.feed(text)
-        if shown and self.opts.on_text:
-            self.opts.on_text(shown)
+        self.show(shown)
         return stopped
+
+    def show(self, text: str, final: bool = False) -> None:
+        """Hand text on, up to where a tool call opens (text that may open one is held back)."""
+        if self.calls is not None and not self.calling:
+            text, self.calling = self.calls.feed(text)
+            if final and not self.calling:
+                text += self.calls.flush()
+        elif self.calling:
+            text = ""
+        if text and self.opts.on_text:
+            self.opts.on_text(text)
 
     def inject(self) -> list[int]:
         """The end-of-thought marker, once, when the thoughts reach their budget."""
@@ -89,9 +102,9 @@ class _Streamer:
             self.feed_thoughts(final=True)
             out.thought = self.thoughts.thought
         if out.stop_text is None:
-            rest = self.scanner.flush()
-            if rest and opts.on_text:
-                opts.on_text(rest)
+            self.show(self.scanner.flush(), final=True)
+        elif self.calls is not None and not self.calling:
+            self.show("", final=True)
         out.answer = self.scanner.text if out.stop_text is None else out.stop_text
         return out
 

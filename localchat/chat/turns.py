@@ -276,7 +276,7 @@ class Chat:
         prompt_eval = int(e.perf()["prompt_n"])
         opts = replystream.ReplyOptions(self.settings.max_tokens, self.reasoning_style, self.fmt.opens_thoughts,
                                         self.settings.reasoning_budget, self.fmt.stop_strings, cancelled, on_text,
-                                        on_thought)
+                                        on_thought, self.tool_format.opening if self.tool_format else "")
         self._reply(len(prompt), gen, st, opts)
         if st.cache_miss and st.turn > 1:
             st.miss_cause = self._miss_cause(st, inputs, pre.rewind_refused, n_kv_before)
