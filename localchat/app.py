@@ -27,11 +27,12 @@ def _report(text: str) -> None:
         pass  # the terminal closed with its window: what is saved does not depend on being told
 
 
-def _offer_tools(rt: runtime.Runtime) -> None:
-    """The built-in tools, rooted at the working directory; calls not approved in advance are denied."""
+def _offer_tools(rt: runtime.Runtime, asking: approval.Asking | None) -> None:
+    """The built-in tools, rooted at the working directory: the terminal UI asks about each call not
+    approved in advance; line mode denies it."""
     p = rt.profile
-    box = Toolbox(Root(Path.cwd()), approval.pre_approved_only(_report), allowed=set(p.allow_tools),
-                  timeout=p.tool_timeout, report=_report)
+    approve = asking.approve if asking is not None else approval.pre_approved_only(_report)
+    box = Toolbox(Root(Path.cwd()), approve, allowed=set(p.allow_tools), timeout=p.tool_timeout, report=_report)
     rt.chat.enable_tools(box, p.max_tool_calls, rt.model.path.name)
 
 
@@ -47,8 +48,9 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             _report("localchat: this model's template has no system role: the system prompt goes into the "
                     "first user message (as llama.cpp and Ollama do)")
         interactive = sys.stdin.isatty() and sys.stdout.isatty()
+        asking = approval.Asking() if interactive and profile.tools else None
         if profile.tools:
-            _offer_tools(rt)
+            _offer_tools(rt, asking)
         # the terminal UI works ahead while the user reads and types; line mode has no such time
         ctl = lifecycle.Session.open(rt, args, _report, background=interactive)
         for line in attaching.add(rt.chat, args.attach) if args.attach else []:
@@ -66,7 +68,7 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             if interactive:
                 from localchat.ui import repl
                 code = repl.run(ctl, after_turn, status.ViewPrefs(markdown=not args.raw,
-                                                                  show_thoughts=args.show_reasoning))
+                                                                  show_thoughts=args.show_reasoning), asking)
             else:
                 from localchat.ui import lineui
                 code = lineui.run_lines(ctl, after_turn, show_reasoning=args.show_reasoning)

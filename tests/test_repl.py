@@ -22,7 +22,7 @@ ENTER, CTRL_C, CTRL_D, ALT_ENTER = "\r", "\x03", "\x04", "\x1b\r"
 
 
 class Harness:
-    def __init__(self, home, max_tokens=12, session="ui", model=None, **settings):
+    def __init__(self, home, max_tokens=12, session="ui", model=None, asking=None, **settings):
         profile = runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": max_tokens, "n_ctx": 2048,
                                                "model": model, **settings})
         self.rt = runtime.open_runtime(profile, lambda t: None)
@@ -38,7 +38,7 @@ class Harness:
             self.ctl.after_turn(st)
             self.stats.append(st.to_json())
 
-        self.repl = Repl(self.ctl, after_turn, input=self.inp, output=DummyOutput())
+        self.repl = Repl(self.ctl, after_turn, input=self.inp, output=DummyOutput(), asking=asking)
         self.repl.print = lambda text, style="": self.printed.append(text)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.repl.run_async()), daemon=True)
         self.thread.start()

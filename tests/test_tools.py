@@ -4,6 +4,8 @@ takes tools, the calls forced through the reply tokens as the reasoning tests fo
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from localchat.chat.official import template_messages
@@ -189,3 +191,105 @@ def test_a_side_effect_cannot_be_approved_in_advance(home, demo_path):
                 "Hello\n", {"LOCALCHAT_HOME": str(home)})
     assert r.returncode == 2 and "write_file has side effects: it is approved call by call, never in advance" in \
         r.stderr.strip().splitlines()[-1] and not r.stdout
+
+
+# ---------------------------------------------------------------- approval in the terminal UI
+@pytest.fixture(scope="module")
+def tools_model(demo_path, tmp_path_factory):
+    from tests.ggufedit import edit_gguf
+    from tests.official_templates import templates_dir
+    return edit_gguf(demo_path, tmp_path_factory.mktemp("qwen") / "qwen-demo.gguf",
+                     {"tokenizer.chat_template": (templates_dir() / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()})
+
+
+class Asked:
+    """The terminal UI over the demo model with Qwen2.5's template and the built-in tools in `root`."""
+
+    def __init__(self, home, model, root, session):
+        from localchat.ui.approval import Asking
+        from tests.test_repl import Harness
+        self.asking = Asking()
+        self.h = Harness(home, max_tokens=16, session=session, model=str(model), asking=self.asking)
+        self.box = Toolbox(Root(root), self.asking.approve)
+        self.h.repl.scheduler.call(lambda: self.h.ctl.chat.enable_tools(self.box, 10, "demo")).result()
+        self.engine = self.h.ctl.rt.engine
+
+    def forced(self, *texts: str):
+        eog = next(t for t in range(64) if self.engine.is_eog(t))
+        from localchat.bench.idle import forced_reply as forced
+        return forced(self.engine, *(self.engine.tokenize(t, special=True) + [eog] for t in texts))
+
+    def call_text(self, name: str, **args) -> str:
+        return self.h.ctl.chat.tool_format.call_text([ToolCall(name, args, "c1")])
+
+    def ask(self, message: str, *replies: str) -> None:
+        """Send `message`; the model's replies are `replies`; wait until a call is asked about."""
+        self.n = len(self.h.stats)
+        self._forced = self.forced(*replies)
+        self._forced.__enter__()
+        self.h.wait(lambda: self.h.repl.session.app.is_running)
+        self.h.type(message + "\r")
+        self.h.wait(lambda: self.asking.request is not None)
+        self.h.wait(lambda: any("tool call:" in p for p in self.h.printed))
+
+    def done(self) -> dict:
+        self.h.wait(lambda: len(self.h.stats) > self.n)
+        self._forced.__exit__(None, None, None)
+        self.h.wait(lambda: self.h.repl.session.app.is_running)
+        return self.h.stats[-1]
+
+
+def test_the_terminal_ui_shows_a_call_whole_and_runs_it_once_approved(home, tools_model, tmp_path):
+    a = Asked(home, tools_model, tmp_path, "approve-once")
+    try:
+        a.ask("Write a.txt", a.call_text("write_file", path="a.txt", content="hello"), "Written.")
+        shown = "\n".join(a.h.printed)
+        assert "tool call: write_file (changes files or runs a command)" in shown and "+hello" in shown
+        assert "[o] once" in a.h.repl.live.view()[0][1] and not (tmp_path / "a.txt").exists()  # nothing yet
+        a.h.type("o")
+        st = a.done()
+        assert (tmp_path / "a.txt").read_text() == "hello" and st["tool_calls"] == 1
+        assert st["recomputed_tokens"] <= st["new_tokens"] + 1
+    finally:
+        a.h.close()
+
+
+def test_always_stops_asking_for_that_tool_and_deny_tells_the_model(home, tools_model, tmp_path):
+    a = Asked(home, tools_model, tmp_path, "approve-always")
+    try:
+        a.ask("Write a.txt", a.call_text("write_file", path="a.txt", content="1"), "Done.")
+        a.h.type("a")
+        a.done()
+        asked_before = sum("tool call:" in p for p in a.h.printed)
+        n = len(a.h.stats)
+        with a.forced(a.call_text("write_file", path="b.txt", content="2"), "Done again."):
+            a.h.type("Write b.txt\r")
+            a.h.wait(lambda: len(a.h.stats) > n)
+        assert (tmp_path / "b.txt").read_text() == "2"  # always: not asked again
+        assert sum("tool call:" in p for p in a.h.printed) == asked_before
+        a.h.wait(lambda: a.h.repl.session.app.is_running)
+        a.ask("Run it", a.call_text("run_command", command="touch c.txt"), "It was denied.")
+        assert "[a] always" not in a.h.repl.live.view()[0][1]  # never offered for a command
+        a.h.type("a")  # not offered: nothing happens
+        time.sleep(0.3)
+        assert a.asking.request is not None
+        a.h.type("d")
+        a.done()
+        result = [m for m in a.h.ctl.chat.conv.messages if m.role == "tool"][-1]
+        assert result.content == "denied by the user" and not (tmp_path / "c.txt").exists()
+    finally:
+        a.h.close()
+
+
+def test_edited_arguments_run_once_as_edited(home, tools_model, tmp_path):
+    a = Asked(home, tools_model, tmp_path, "approve-edit")
+    try:
+        a.ask("Write a.txt", a.call_text("write_file", path="a.txt", content="wrong"), "Done.")
+        a.h.type("e")
+        a.h.wait(lambda: a.asking.editing)
+        a.h.type("\x7f" * 200 + '{"path": "a.txt", "content": "right"}' + "\r")
+        a.done()
+        assert (tmp_path / "a.txt").read_text() == "right"
+        assert [m for m in a.h.ctl.chat.conv.messages if m.role == "tool"][-1].call["status"] == "ok"
+    finally:
+        a.h.close()

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from prompt_toolkit.application import Application
+from prompt_toolkit.application import Application, run_in_terminal
 from prompt_toolkit.buffer import Buffer
+from prompt_toolkit.filters import Condition
 from prompt_toolkit.formatted_text import ANSI, FormattedText, StyleAndTextTuples, to_formatted_text
 from prompt_toolkit.input import Input
 from prompt_toolkit.key_binding import KeyBindings
@@ -27,6 +29,7 @@ from prompt_toolkit.layout.controls import BufferControl, FormattedTextControl
 from prompt_toolkit.output import Output
 from prompt_toolkit.styles import Style
 
+from localchat.ui import approval
 from localchat.ui.status import BarState
 
 STYLE = Style.from_dict({
@@ -74,8 +77,10 @@ def _tail_rows(fragments: StyleAndTextTuples, rows: int) -> StyleAndTextTuples:
 class LiveReply:
     """One streaming reply: the callbacks the engine's thread calls, and the view they feed."""
 
-    def __init__(self, bar: BarState, toolbar: Callable[[], Any], rendered: bool, show_thoughts: bool):
+    def __init__(self, bar: BarState, toolbar: Callable[[], Any], rendered: bool, show_thoughts: bool,
+                 asking: approval.Asking | None = None):
         self.bar, self._toolbar, self.rendered, self.show_thoughts = bar, toolbar, rendered, show_thoughts
+        self.asking = asking  # a tool call waiting for the user's answer (the call itself is printed above)
         self.reply = self.thought = ""
         self.thought_pieces = 0
         self.app: Application | None = None
@@ -110,6 +115,9 @@ class LiveReply:
     # the view
     def view(self) -> StyleAndTextTuples:
         out: StyleAndTextTuples = []
+        request = self.asking.request if self.asking is not None else None
+        if request is not None:
+            out += [("class:prompt", approval.keys_line(request) + "\n")]
         if self.thought and not self.reply:
             if self.show_thoughts:
                 out += [("class:thought", "\n".join(self.thought[-LIVE_CHARS:].split("\n")[-LIVE_ROWS:]))]
@@ -143,6 +151,33 @@ class LiveReply:
         out.append((markdown(self.reply) if self.rendered and self.reply.strip() else [("", self.reply)], ""))
         return out
 
+    def _approval_keys(self, kb: KeyBindings, typeahead: Buffer) -> None:
+        """While a tool call waits: o, a, d answer; e puts its arguments in the input line as JSON."""
+        asking = self.asking
+        if asking is None:
+            return
+        waiting = Condition(lambda: asking.request is not None and not asking.editing)
+        for key, verdict in approval.KEYS.items():
+            kb.add(key, filter=waiting)(lambda event, verdict=verdict: asking.answer(verdict))
+
+        @kb.add("e", filter=waiting)
+        def _(event: Any) -> None:
+            request = asking.request
+            if request is not None:
+                asking.editing = True
+                typeahead.text = json.dumps(request.arguments, ensure_ascii=False)
+                typeahead.cursor_position = len(typeahead.text)
+
+    def ask(self, print_above: Callable[[str], None], request: approval.Request) -> None:
+        """The engine's thread asks about a call: printed whole above the live view, the keys in it."""
+        app, text = self.app, approval.describe(request)
+        loop = app.loop if app is not None and app.is_running else None
+        if app is None or loop is None:
+            print_above(text)
+            return
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(run_in_terminal(lambda: print_above(text))))
+        loop.call_soon_threadsafe(app.invalidate)
+
     async def run(self, future: Future, typeahead: Buffer, cancel: Callable[[], None], input: Input | None,
                   output: Output | None) -> None:
         """Show the view until `future` is done; Ctrl-C (or Ctrl-D) calls `cancel`."""
@@ -164,6 +199,8 @@ class LiveReply:
         @kb.add("c-t")
         def _(event: Any) -> None:  # show or fold the thoughts
             self.show_thoughts = not self.show_thoughts
+
+        self._approval_keys(kb, typeahead)
 
         layout = Layout(HSplit([
             Window(FormattedTextControl(lambda: FormattedText(self.view())), wrap_lines=True,

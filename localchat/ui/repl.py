@@ -30,7 +30,7 @@ from prompt_toolkit.shortcuts import print_formatted_text
 from localchat.chat.stats import TurnStats
 from localchat.errors import LocalchatError
 from localchat.session.lifecycle import Session
-from localchat.ui import hangup, slash, status
+from localchat.ui import approval, hangup, slash, status
 from localchat.ui.liveview import STYLE, LiveReply
 from localchat.ui.scheduler import Scheduler
 
@@ -60,8 +60,10 @@ def _history(ctl: Session) -> History:
 
 class Repl:
     def __init__(self, ctl: Session, after_turn: AfterTurn, input: Input | None = None,
-                 output: Output | None = None, view: status.ViewPrefs | None = None):
+                 output: Output | None = None, view: status.ViewPrefs | None = None,
+                 asking: approval.Asking | None = None):
         self.ctl, self.after_turn = ctl, after_turn
+        self.asking = asking  # where the tools' approver waits for the user (None: no tools, or none asked)
         self.view = view or status.ViewPrefs()
         self.input, self.output = input, output
         self.bar = bar_state(ctl)
@@ -75,6 +77,9 @@ class Repl:
         self.ending = 0  # SIGHUP or SIGTERM asked the chat to end: the reply in flight stops, then the loop
         self.session: PromptSession = self._prompt_session()
         self.session.default_buffer.on_text_changed += self._typed_changed
+        if asking is not None:
+            asking.cancelled = self.cancel.is_set  # Ctrl-C while asked: denied, and the loop stops
+            asking.on_ask = lambda request: self.live.ask(lambda text: self.print(text, "class:info"), request)
 
     def _typed_changed(self, buffer: Buffer) -> None:
         self.scheduler.set_typed(buffer.text)
@@ -112,7 +117,7 @@ class Repl:
         self.bar.phase, self.bar.live_tokens = "prefill", 0
         self.cancel.clear()
         live = self.live = LiveReply(self.bar, self._toolbar, rendered=self.view.markdown,
-                                     show_thoughts=self.view.show_thoughts)
+                                     show_thoughts=self.view.show_thoughts, asking=self.asking)
 
         def work() -> slash.Outcome | None:
             out = job(live.emit, self.cancel.is_set, live.progress)
@@ -143,6 +148,9 @@ class Repl:
     def _typeahead(self) -> Buffer:
         """The line typed while a reply streams: Enter queues it (it runs when the reply ends)."""
         def queue(buffer: Buffer) -> bool:
+            if self.asking is not None and self.asking.editing:  # the edited arguments of a call: run once
+                self.bar.notice = self.asking.edited(buffer.text)
+                return bool(self.bar.notice)  # not JSON: the text stays to be fixed
             if buffer.text.strip():
                 self.queued.append(buffer.text)
                 self.bar.notice = f"queued ({len(self.queued)}): " + buffer.text.splitlines()[0][:40]
@@ -246,9 +254,10 @@ class Repl:
         return out or ""
 
 
-def run(ctl: Session, after_turn: AfterTurn, view: status.ViewPrefs | None = None) -> int:
+def run(ctl: Session, after_turn: AfterTurn, view: status.ViewPrefs | None = None,
+        asking: approval.Asking | None = None) -> int:
     """The terminal UI until Ctrl-D, /quit, SIGHUP or SIGTERM; the exit code (128 + the signal, or 0)."""
-    repl = Repl(ctl, after_turn, view=view)
+    repl = Repl(ctl, after_turn, view=view, asking=asking)
     try:
         asyncio.run(repl.run_async())
     except OSError:
