@@ -15,6 +15,7 @@ from localchat.chatformat.toolcalls import ToolCall
 from localchat.errors import ToolsUnsupported
 from localchat.tools.builtin import Decision, Toolbox
 from localchat.tools.rooted import Root
+from localchat.ui.approval import GRACE_S
 from tests.official_templates import TEMPLATES
 from tests.test_official import SCRIPTS, SYSTEM, chat_with, forced_reply, kv_text
 
@@ -231,6 +232,7 @@ class Asked:
         self.h.type(message + "\r")
         self.h.wait(lambda: self.asking.request is not None)
         self.h.wait(lambda: any("tool call:" in p for p in self.h.printed))
+        time.sleep(2 * GRACE_S)  # keys in the first moment are typing that went on, not an answer
 
     def done(self) -> dict:
         self.h.wait(lambda: len(self.h.stats) > self.n)
@@ -271,7 +273,7 @@ def test_always_stops_asking_for_that_tool_and_deny_tells_the_model(home, tools_
         a.ask("Run it", a.call_text("run_command", command="touch c.txt"), "It was denied.")
         assert "[a] always" not in a.h.repl.live.view()[0][1]  # never offered for a command
         a.h.type("a")  # not offered: nothing happens
-        time.sleep(0.3)
+        time.sleep(2 * GRACE_S)
         assert a.asking.request is not None
         a.h.type("d")
         a.done()
@@ -285,6 +287,9 @@ def test_edited_arguments_run_once_as_edited(home, tools_model, tmp_path):
     a = Asked(home, tools_model, tmp_path, "approve-edit")
     try:
         a.ask("Write a.txt", a.call_text("write_file", path="a.txt", content="wrong"), "Done.")
+        a.h.type("hello\r")  # typing that goes on while a call is asked about answers nothing, reaches nothing
+        time.sleep(2 * GRACE_S)
+        assert a.asking.request is not None and not a.asking.editing and not (tmp_path / "a.txt").exists()
         a.h.type("e")
         a.h.wait(lambda: a.asking.editing)
         a.h.type("\x7f" * 200 + '{"path": "a.txt", "content": "right"}' + "\r")

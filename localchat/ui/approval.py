@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from localchat.tools.builtin import Decision, Request
 
 KEYS = {"o": "once", "a": "always", "d": "deny"}
+GRACE_S = 0.5  # a key answers only after this long with no key and the call on screen: typing answers nothing
 
 
 def pre_approved_only(report: Callable[[str], None]) -> Callable[[Request], Decision]:
@@ -49,6 +51,7 @@ class Asking:
         self.request: Request | None = None
         self.editing = False  # the arguments are in the input line, as JSON
         self._decision: Decision | None = None
+        self.quiet_since = 0.0  # monotonic time the call was shown, or of the last key since
         self.on_ask: Callable[[Request], None] = lambda request: None
         self.cancelled: Callable[[], bool] = lambda: False
 
@@ -56,6 +59,7 @@ class Asking:
         """Called on the engine's thread: blocks until the user answers."""
         with self._cond:
             self.request, self._decision, self.editing = request, None, False
+            self.quiet_since = time.monotonic()
         self.on_ask(request)
         with self._cond:
             while self._decision is None and not self.cancelled():
@@ -63,6 +67,13 @@ class Asking:
             decision = self._decision or Decision("deny")
             self.request, self.editing = None, False
         return decision
+
+    def key(self) -> bool:
+        """A key was pressed while the call waits: True when it may answer (the call was on screen, and no
+        key came, for GRACE_S before it); a key of typing that goes on only restarts the wait."""
+        now = time.monotonic()
+        settled, self.quiet_since = now - self.quiet_since >= GRACE_S, now
+        return settled
 
     def answer(self, verdict: str, arguments: dict[str, Any] | None = None) -> bool:
         """The user's answer (UI thread); False when nothing is asked or "always" is not offered."""

@@ -152,18 +152,27 @@ class LiveReply:
         return out
 
     def _approval_keys(self, kb: KeyBindings, typeahead: Buffer) -> None:
-        """While a tool call waits: o, a, d answer; e puts its arguments in the input line as JSON."""
+        """While a tool call waits: o, a, d answer; e puts its arguments in the input line as JSON; every
+        other key is swallowed (typing that went on cannot reach the input line, and then Enter), and a
+        key answers only after a moment without keys (`Asking.key`)."""
         asking = self.asking
         if asking is None:
             return
         waiting = Condition(lambda: asking.request is not None and not asking.editing)
+
+        def answer(verdict: str) -> None:
+            if asking.key():
+                asking.answer(verdict)
+
         for key, verdict in approval.KEYS.items():
-            kb.add(key, filter=waiting)(lambda event, verdict=verdict: asking.answer(verdict))
+            kb.add(key, filter=waiting)(lambda event, verdict=verdict: answer(verdict))
+        kb.add("<any>", filter=waiting)(lambda event: asking.key())
+        kb.add("enter", filter=waiting)(lambda event: asking.key())
 
         @kb.add("e", filter=waiting)
         def _(event: Any) -> None:
             request = asking.request
-            if request is not None:
+            if asking.key() and request is not None:
                 asking.editing = True
                 typeahead.text = json.dumps(request.arguments, ensure_ascii=False)
                 typeahead.cursor_position = len(typeahead.text)
