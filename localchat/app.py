@@ -33,7 +33,7 @@ def _offer_tools(rt: runtime.Runtime, asking: approval.Asking | None) -> None:
     p = rt.profile
     approve = asking.approve if asking is not None else approval.pre_approved_only(_report)
     box = Toolbox(Root(Path.cwd()), approve, allowed=set(p.allow_tools), timeout=p.tool_timeout, report=_report)
-    rt.chat.enable_tools(box, p.max_tool_calls, rt.model.path.name)
+    rt.chat.enable_tools(box, p.max_tool_calls, rt.model.path.name, p.tool_choice)
 
 
 def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
@@ -48,8 +48,9 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             _report("localchat: this model's template has no system role: the system prompt goes into the "
                     "first user message (as llama.cpp and Ollama do)")
         interactive = sys.stdin.isatty() and sys.stdout.isatty()
-        asking = approval.Asking() if interactive and profile.tools else None
-        if profile.tools:
+        offered = profile.tools and profile.tool_choice != "none"
+        asking = approval.Asking() if interactive and offered else None
+        if offered:
             _offer_tools(rt, asking)
         # the terminal UI works ahead while the user reads and types; line mode has no such time
         ctl = lifecycle.Session.open(rt, args, _report, background=interactive)

@@ -20,6 +20,7 @@ HISTORY = ("official", "as-sampled")
 THINK = ("on", "off", "low", "medium", "high")
 SPLIT_MODES = ("none", "layer", "row")
 SPECULATE = ("auto", "on", "off")
+TOOL_CHOICE = ("auto", "required", "none")
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,9 @@ class Profile:
         (), "a list of tool names", lambda v: len(v) <= 64 and all(isinstance(x, str) for x in v),
         flag="--allow-tool", chat_only=True,
         help="read-only tools that run without asking (line mode runs only these)")
+    tool_choice: str = setting("auto", choices=TOOL_CHOICE, flag="--tool-choice", chat_only=True,
+                               help="auto: the model calls a tool or answers; required: each turn's first reply is a "
+                                    "call; none: no tools are offered (a call's arguments follow the tool's schema)")
     max_tool_calls: int = setting(10, "a number of calls, 1 to 1000", lambda v: 1 <= v <= 1000,
                                   help="calls one reply may make before you are asked whether to go on")
     tool_timeout: float = setting(60.0, "a number of seconds, above 0", lambda v: 0 < v <= 86400,

@@ -298,3 +298,35 @@ def test_edited_arguments_run_once_as_edited(home, tools_model, tmp_path):
         assert [m for m in a.h.ctl.chat.conv.messages if m.role == "tool"][-1].call["status"] == "ok"
     finally:
         a.h.close()
+
+
+# ---------------------------------------------------------------- the grammar on calls, real sampling
+def test_with_tool_choice_required_every_sampled_call_parses_and_fits_its_schema(demo_engine, official_dir,
+                                                                                  tmp_path):
+    import dataclasses
+
+    from localchat.engine import Generation, SamplingConfig
+    from localchat.tools.builtin import validate
+    (tmp_path / "notes.txt").write_text(NOTES)
+    chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
+    chat.settings = dataclasses.replace(chat.settings, max_tokens=320,
+                                        sampling=SamplingConfig(temperature=1.0, seed=7))
+    chat.enable_tools(toolbox(tmp_path), 3, "the demo model", "required")
+    st = chat.turn(QUESTION)  # sampled for real: the grammar makes the first reply a call, then the loop
+    call, result = chat.conv.messages[1], chat.conv.messages[2]
+    assert call.calls and call.calls[0]["name"] == "read_file" and result.role == "tool"
+    assert st.steps and st.recomputed_tokens <= st.new_tokens + 1
+    schema = toolbox(tmp_path).schemas()[0]
+    gbnf = chat.tool_format.grammar([schema])
+    prompt = chat.conv.window_tokens()[:st.steps[0].prompt_tokens]
+    unparsable = []
+    for seed in range(100):  # 100 sampled calls from the same prompt, each under the grammar from its start
+        sampler = demo_engine.make_sampler(SamplingConfig(temperature=1.0, seed=seed), gbnf)
+        demo_engine.prefill(prompt)
+        gen = Generation(tokens=[])
+        for _ in demo_engine.generate(sampler, 320, gen):  # a bounded path (256 characters) fits
+            pass
+        found = chat.tool_format.find(kv_text(demo_engine, gen.tokens))
+        if len(found.calls) != 1 or validate(schema, found.calls[0].arguments):
+            unparsable.append((seed, kv_text(demo_engine, gen.tokens)))
+    assert unparsable == []

@@ -74,6 +74,7 @@ class Chat:
         self.docs = Attachments()  # attached, sent with the next message (before its words)
         self._system_cause = ""  # why the next turn may recompute: the system prompt changed
         self._sampler = engine.make_sampler(settings.sampling)
+        self._first_sampler: object | None = None  # tool_choice required: the turn's first reply is a call
         # a sliding-window cache may lose cells a rejected draft's tail pushed out: exact only with swa_full
         drafts = settings.speculate != "off" and (not engine.n_swa or engine.config.swa_full)
         self.speculation = Speculation(settings.speculate, cost=engine.step_cost) if drafts else None
@@ -99,15 +100,24 @@ class Chat:
         return self.settings.overflow
 
     # ---------------------------------------------------------------- tools
-    def enable_tools(self, runner: tools.ToolRunner, max_calls: int, model: str) -> None:
+    def enable_tools(self, runner: tools.ToolRunner, max_calls: int, model: str, choice: str = "auto",
+                     grammar: bool = True) -> None:
         """Offer the runner's tools: the template renders their list in the system prefix; ToolsUnsupported
-        (naming `model`) when the template takes no tools."""
+        (naming `model`) when the template takes no tools. With `grammar`, a call's arguments are
+        constrained by the tools' schemas from its opening on (`choice` required: the turn's first reply
+        is a call), where the format writes its arguments as JSON."""
         self.fmt.set_tools(runner.schemas())
         found = ToolFormat(self.fmt)
         if not found.kind:
             self.fmt.set_tools([])
             raise ToolsUnsupported(f"{model} cannot call tools: {found.reason}")
         self.runner, self.tool_format, self.max_tool_calls = runner, found, max_calls
+        gbnf = found.grammar(runner.schemas()) if grammar else None
+        if gbnf:
+            self._sampler = self.engine.make_sampler(self.settings.sampling, gbnf, (found.trigger,))
+            self._first_sampler = self.engine.make_sampler(self.settings.sampling, gbnf) \
+                if choice == "required" else None
+            self.speculation = None  # a draft's tokens would pass the grammar unchecked
         if self.conv.prefix:
             self.set_system(self.conv.system, cause="the tool list changed")
 
@@ -277,7 +287,7 @@ class Chat:
         opts = replystream.ReplyOptions(self.settings.max_tokens, self.reasoning_style, self.fmt.opens_thoughts,
                                         self.settings.reasoning_budget, self.fmt.stop_strings, cancelled, on_text,
                                         on_thought, self.tool_format.opening if self.tool_format else "")
-        self._reply(len(prompt), gen, st, opts)
+        self._reply(len(prompt), gen, st, opts, self._first_sampler)
         if st.cache_miss and st.turn > 1:
             st.miss_cause = self._miss_cause(st, inputs, pre.rewind_refused, n_kv_before)
         self.ahead.end_turn()
@@ -313,12 +323,14 @@ class Chat:
         self._record(user)
         return _Laid(len(window), len(head), own_from, canon_left, stops)
 
-    def _reply(self, prompt_len: int, gen: Generation, st: TurnStats, opts: replystream.ReplyOptions) -> None:
-        """Stream the reply and keep it in the conversation, counted in `st`."""
+    def _reply(self, prompt_len: int, gen: Generation, st: TurnStats, opts: replystream.ReplyOptions,
+               sampler: object | None = None) -> None:
+        """Stream the reply (drawn by `sampler`, else the chat's) and keep it in the conversation, counted in `st`."""
         e, spec = self.engine, self.speculation
-        prime_sampler(self._sampler, self.settings.sampling, e.tokens)  # the penalties see this context
+        sampler = sampler or self._sampler
+        prime_sampler(sampler, self.settings.sampling, e.tokens)  # the penalties see this context
         drafted, accepted = (spec.drafted, spec.accepted) if spec else (0, 0)
-        out = replystream.stream(e, self._sampler, gen, opts, spec)
+        out = replystream.stream(e, sampler, gen, opts, spec)
         if spec:
             st.extra["draft_tokens"], st.extra["accepted_tokens"] = spec.drafted - drafted, spec.accepted - accepted
         found = self._calls(prompt_len)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from localchat.chatformat.templates import REPLY_SENTINEL, USER_SENTINEL, ChatFormat
+from localchat.chatformat.toolgrammar import call_grammar
 from localchat.errors import TemplateFailure
 
 RESULT_SENTINEL = "LocalchatResultSentinel5d2e"
@@ -130,6 +131,7 @@ class ToolFormat:
         self._pre = ""  # name-args: the text before each call's name
         self._id_before, self._args_marker = "", ""  # name-args: what opens the id, what ends before the arguments
         self._close = ""  # what the model writes after a call's last argument
+        self._probe_text = ""  # the probe call as the model writes it, from where its thoughts end
         self._after: dict[int, str | None] = {}  # the template's text after n probe calls (None: it takes fewer)
         try:
             self._derive()
@@ -158,7 +160,8 @@ class ToolFormat:
             return
         self._after[1] = one[end:]
         text = one[start:end]
-        self._syntax(text[_after_thoughts(text):].lstrip())
+        self._probe_text = text[_after_thoughts(text):].lstrip()
+        self._syntax(self._probe_text)
         self.multiple = self._two_calls()
         self.escapes_results = self._result_escaped()
 
@@ -294,6 +297,34 @@ class ToolFormat:
             parts.append((after[:cut], i))
             after = after[cut + len(_result(i)):]
         return [*parts, (after, -1)]
+
+    # ------------------------------------------------------------ constraining
+    @property
+    def trigger(self) -> str:
+        """The text from which a call is constrained: its opening, or (Llama 3, no opening) its first words."""
+        return self.opening or self._pieces()[0][0]
+
+    def _pieces(self) -> list[tuple[str, str]]:
+        """The probe call's text from its opening, cut at its holes: [(literal text, the hole after it)]."""
+        text = self._probe_text[self._probe_text.find(self.opening):] if self.opening else self._probe_text
+        holes = {f'"{_name(0)}"' if self.kind == "json" else _name(0): "name-json" if self.kind == "json" else "name",
+                 json.dumps({"city": _value(0)}): "args", _id(0): "id"}
+        found = sorted((text.find(h), h) for h in holes if h in text)
+        pieces, at = [], 0
+        for pos, hole in found:
+            pieces.append((text[at:pos], holes[hole]))
+            at = pos + len(hole)
+        return [*pieces, (text[at:], "")]
+
+    def grammar(self, tools: list[dict[str, Any]]) -> str | None:
+        """The GBNF grammar of one call to one of `tools` in this format (None where the arguments are
+        not JSON: XML parameters, GLM's pairs, Gemma 4's notation)."""
+        if self.kind not in ("json", "name-args"):
+            return None
+        pieces = self._pieces()
+        if "args" not in [hole for _, hole in pieces]:
+            return None  # the arguments are not written as tojson writes them
+        return call_grammar(pieces, tools)
 
     def result_as_written(self, result: str) -> str:
         """A result's text as the template writes it (inside a JSON string where it escapes results)."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Generator
 import llama_cpp as lc
 
 from localchat.engine.backend import SEQ, buffers, context_params, init_backend, model_params, start_buffer_log
+from localchat.engine.grammar import grammar_sampler
 from localchat.engine.loadlog import LOAD_LOG, explain
 from localchat.engine.sampling import drawer, finite_logits, make_sampler
 from localchat.engine.speculative import Speculation, verify
@@ -182,8 +183,9 @@ class Engine(VocabText):
         lc.llama_set_n_threads(self.ctx, decode, batch)
         self.threads = (decode, batch)
 
-    def make_sampler(self, s: SamplingConfig) -> object:
-        return make_sampler(s, self.vocab, self.n_ctx)
+    def make_sampler(self, s: SamplingConfig, gbnf: str = "", triggers: tuple[str, ...] = ()) -> object:
+        """The sampler chain for `s`; with `gbnf`, constrained by that grammar (lazy: from a trigger on)."""
+        return make_sampler(s, self.vocab, self.n_ctx, grammar_sampler(self.vocab, gbnf, triggers) if gbnf else None)
 
     def generate(self, sampler, max_tokens: int, gen: Generation, cancelled: Callable[[], bool] | None = None,
                  inject: Callable[[], list[int]] | None = None,

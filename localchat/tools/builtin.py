@@ -34,9 +34,15 @@ MOST_FILES = 2_000
 MOST_MATCHES = 200
 
 
+NAME_CHARS = 256  # a path, glob or pattern longer than this is refused (and a constrained call cannot run on)
+
+
 def _schema(description: str, props: dict[str, tuple[str, str]], required: tuple[str, ...]) -> dict[str, Any]:
+    def prop(key: str, kind: str, words: str) -> dict[str, Any]:
+        bounded = {"maxLength": NAME_CHARS} if key in ("path", "glob", "pattern") else {}
+        return {"type": kind, "description": words, **bounded}
     return {"type": "function", "function": {"name": "", "description": description, "parameters": {
-        "type": "object", "properties": {k: {"type": t, "description": d} for k, (t, d) in props.items()},
+        "type": "object", "properties": {k: prop(k, t, d) for k, (t, d) in props.items()},
         "required": list(required)}}}
 
 
@@ -109,6 +115,9 @@ def validate(schema: dict[str, Any], args: Any) -> str:
         kinds = _JSON_TYPES.get(params["properties"][k].get("type", ""), (object,))
         if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
             return f"{k} must be a {params['properties'][k]['type']}"
+        most = params["properties"][k].get("maxLength")
+        if most is not None and isinstance(v, str) and len(v) > most:
+            return f"{k} is {len(v):,} characters, more than {most:,}"
     return ""
 
 
