@@ -113,11 +113,14 @@ class Chat:
             raise ToolsUnsupported(f"{model} cannot call tools: {found.reason}")
         self.runner, self.tool_format, self.max_tool_calls = runner, found, max_calls
         gbnf = found.grammar(runner.schemas()) if grammar else None
-        if gbnf:
-            self._sampler = self.engine.make_sampler(self.settings.sampling, gbnf, (found.trigger,))
-            self._first_sampler = self.engine.make_sampler(self.settings.sampling, gbnf) \
-                if choice == "required" else None
-            self.speculation = None  # a draft's tokens would pass the grammar unchecked
+        try:
+            if gbnf:
+                lazy = self.engine.make_sampler(self.settings.sampling, gbnf, (found.trigger,))
+                self._first_sampler = self.engine.make_sampler(self.settings.sampling, gbnf) \
+                    if choice == "required" else None
+                self._sampler, self.speculation = lazy, None  # a draft's tokens would pass the grammar unchecked
+        except ValueError:
+            self._first_sampler = None  # a schema llama.cpp's grammar cannot take: calls are parsed, not held
         if self.conv.prefix:
             self.set_system(self.conv.system, cause="the tool list changed")
 
