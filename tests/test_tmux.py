@@ -16,14 +16,18 @@ class Tmux:
     def __init__(self, command: str, env: dict[str, str]):
         self.name = f"lc-{uuid.uuid4().hex[:8]}"
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "200", "-y", "40",
-                        f"env {exports} {command}"], check=True)
+        self.tmux("new-session", "-d", "-s", self.name, "-x", "200", "-y", "40", f"env {exports} {command}")
+
+    def tmux(self, *args: str) -> subprocess.CompletedProcess:
+        # A server of its own (-L): on a shared one, a session started just as the last one closes finds the
+        # server exiting ("server exited unexpectedly").
+        return subprocess.run(["tmux", "-L", self.name, *args], check=True, capture_output=True, text=True)
 
     def keys(self, *keys: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, *keys], check=True)
+        self.tmux("send-keys", "-t", self.name, *keys)
 
     def screen(self) -> str:
-        return subprocess.run(["tmux", "capture-pane", "-t", self.name, "-p"], capture_output=True, text=True).stdout
+        return self.tmux("capture-pane", "-t", self.name, "-p").stdout
 
     def wait_for(self, pred, timeout=60.0) -> str:
         deadline = time.time() + timeout
@@ -42,7 +46,7 @@ class Tmux:
         self.wait_for(lambda s: "saving" in s or s.strip() == "", timeout=30)
 
     def kill(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+        subprocess.run(["tmux", "-L", self.name, "kill-server"], capture_output=True)
 
 
 def start(home, stats, *args: str) -> tuple[Tmux, Callable[[], list[dict]]]:
