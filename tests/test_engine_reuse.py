@@ -156,3 +156,28 @@ def test_swa_full_makes_deep_rewinds_exact_without_recompute(gemma_path):
         assert _greedy(e) == reused
     finally:
         e.close()
+
+
+def test_a_short_batch_at_depth_is_padded_on_a_cpu_and_changes_nothing(demo_engine):
+    """llama.cpp's CPU flash attention takes a slow path below 64 queries; the engine pads such a batch
+    where that is cheaper and drops the padding from the KV at once: the same history, the same reply."""
+    e = demo_engine
+    words = e.tokenize(" ".join(f"item {i} is {i * 7 % 13}." for i in range(400)), special=False, add_bos=True)
+    history, prompt = words[:600], words[:640]
+    runs = []
+    for pads in (True, False):
+        e._pads = pads
+        try:
+            e.clear()
+            e.prefill(history)
+            e.reset_perf()
+            e.prefill(prompt)
+            e.synchronize()
+            perf = e.perf()
+            assert e.n_kv == len(prompt) and e.tokens == prompt and perf["prompt_n"] == 40
+            runs.append((perf["padding_n"], _greedy(e)))
+        finally:
+            e._pads = True
+    (padded, reply), (plain, plain_reply) = runs
+    assert padded == 24 and plain == 0  # 40 tokens at depth 600 padded to a tile of 64
+    assert reply == plain_reply  # the padding left nothing behind that the reply could see

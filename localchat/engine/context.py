@@ -23,6 +23,8 @@ from localchat.engine.types import Cancelled, EngineConfig, Generation, PrefillR
 from localchat.engine.vocab import VocabText
 from localchat.errors import DamagedModel, ModelError
 
+FA_TILE = 64  # queries per tile of llama.cpp's CPU flash attention (GGML_FA_TILE_Q)
+
 
 class Engine(VocabText):
     def __init__(self, config: EngineConfig):
@@ -57,6 +59,11 @@ class Engine(VocabText):
         self._batch_tokens = (lc.llama_token * config.n_batch).from_address(
             ctypes.addressof(self._batch.token.contents))
         self._batch_pos = (lc.llama_pos * config.n_batch).from_address(ctypes.addressof(self._batch.pos.contents))
+        # padding batches pays where llama.cpp's CPU flash attention runs every layer, and only where the
+        # padding can leave the KV again exactly (no sliding window, no recurrent state)
+        self._pads = (config.n_gpu_layers == 0 and config.flash_attn and not self.n_swa
+                      and not lc.llama_model_is_recurrent(self.model) and not lc.llama_model_is_hybrid(self.model))
+        self.padded = 0  # padding tokens evaluated since reset_perf
         self.step_cost = StepCost(gpu=config.n_gpu_layers != 0 and bool(lc.llama_supports_gpu_offload()))
         self.tokens: list[int] = []  # the token-canonical history this context holds
         self.n_kv = 0  # how many of self.tokens are evaluated into the KV (the rest are pending)
@@ -107,19 +114,35 @@ class Engine(VocabText):
         self.n_kv -= count
 
     # ------------------------------------------------------------------ evaluation
-    def _decode(self, tokens: list[int], start_pos: int, want_logits: bool, all_logits: bool = False) -> None:
+    def _padding(self, n: int, pos: int) -> int:
+        """Tokens to add past a prompt batch of n at `pos`, so that llama.cpp's CPU flash attention takes
+        its tiled path (64 queries or more; fewer go one by one, about 6x slower per token at depth), where
+        that is cheaper; they leave the KV at once. The costs are fitted on the 2-core VM (BENCHMARKS.md)."""
+        if not self._pads or n < 2 or n >= FA_TILE or pos + FA_TILE > self.n_ctx:
+            return 0
+        return FA_TILE - n if n * (1 + pos / 200) > 60 + 0.04 * pos else 0
+
+    def _decode(self, tokens: list[int], start_pos: int, want_logits: bool, all_logits: bool = False,
+                pad: int = 0) -> None:
+        """Evaluate `tokens` from `start_pos`; `pad` more (copies of the last) evaluated beside them and
+        then dropped from the KV: the batch's shape only, never its history."""
         b = self._batch
+        real = len(tokens)
+        tokens = tokens + tokens[-1:] * pad
         n = len(tokens)
         # whole-slice stores run in C: element by element costs ~0.2 ms per 150 tokens in Python
         self._batch_tokens[:n] = tokens  # type: ignore[assignment]  # ctypes takes a list of ints
         self._batch_pos[:n] = range(start_pos, start_pos + n)  # type: ignore[call-overload]  # and a range
         ctypes.memset(b.logits, int(all_logits), n)
         if want_logits:
-            b.logits[n - 1] = 1
+            b.logits[real - 1] = 1
         b.n_tokens = n
         rc = lc.llama_decode(self.ctx, b)
         if rc != 0:
             raise ModelError(f"llama_decode failed (code {rc}): the KV cache is full or out of memory")
+        if pad and not lc.llama_memory_seq_rm(self.mem, SEQ, start_pos + real, -1):
+            raise ModelError("llama.cpp could not drop a batch's padding from the KV")
+        self.padded += pad
 
     def prefill(self, prompt: list[int], progress: Callable[[int, int], None] | None = None,
                 cancelled: Callable[[], bool] | None = None) -> PrefillResult:
@@ -139,7 +162,8 @@ class Engine(VocabText):
             if cancelled and cancelled():
                 raise Cancelled()
             chunk = prompt[pos:pos + self.config.n_batch]
-            self._decode(chunk, pos, want_logits=pos + len(chunk) == len(prompt))
+            self._decode(chunk, pos, want_logits=pos + len(chunk) == len(prompt),
+                         pad=self._padding(len(chunk), pos))
             pos += len(chunk)
             self.tokens.extend(chunk)
             self.n_kv = pos
@@ -294,11 +318,15 @@ class Engine(VocabText):
 
     # ------------------------------------------------------------------ counters and state
     def perf(self) -> dict[str, float]:
+        """llama.cpp's counters since `reset_perf`; prompt tokens less the batches' padding (no history)."""
         p = lc.llama_perf_context(self.ctx)
-        return {"prompt_ms": p.t_p_eval_ms, "prompt_n": p.n_p_eval, "eval_ms": p.t_eval_ms, "eval_n": p.n_eval}
+        return {"prompt_ms": p.t_p_eval_ms, "prompt_n": p.n_p_eval - self.padded, "eval_ms": p.t_eval_ms,
+                "eval_n": p.n_eval, "padding_n": self.padded}
 
     def reset_perf(self) -> None:
+        lc.llama_synchronize(self.ctx)  # queued batches are booked before the counters start again
         lc.llama_perf_context_reset(self.ctx)
+        self.padded = 0
 
     def state_bytes(self) -> memoryview:
         """Copy this sequence's KV (the evaluated tokens) out of llama.cpp: one copy, no more."""
