@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,18 @@ def _offer_tools(rt: runtime.Runtime, asking: approval.Asking | None) -> None:
     approved in advance; line mode denies it."""
     p = rt.profile
     approve = asking.approve if asking is not None else approval.pre_approved_only(_report)
-    box = Toolbox(Root(Path.cwd()), approve, allowed=set(p.allow_tools), timeout=p.tool_timeout, report=_report)
+    box = Toolbox(Root(Path.cwd()), approve, allowed=set(p.allow_tools), timeout=p.tool_timeout, report=_report,
+                  ahead=asking is not None)
     rt.chat.enable_tools(box, p.max_tool_calls, rt.model.path.name, p.tool_choice)
+    rt.chat.go_on = asking.go_on if asking is not None else _budget_spent(p.max_tool_calls)
+
+
+def _budget_spent(most: int) -> Callable[[int, int], bool]:
+    def go_on(made: int, asked: int) -> bool:
+        _report(f"localchat: {asked} more tool calls would pass the reply's budget (max_tool_calls {most}, "
+                f"{made} made); they were not run")
+        return False
+    return go_on
 
 
 def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -161,13 +163,24 @@ def export_markdown(s: SessionDir) -> str:
         lines += [f"**system:** {conv.system}", ""]
     for m in conv.messages:
         mark = " (cut)" if m.cut else ""
+        if m.role == "tool":
+            mark += f" ({m.call.get('name', '?')}, {m.call.get('status', '?')})"
         lines += [f"**{m.role}**{mark}:", ""]
         if m.reasoning:
             lines += ["> *reasoning:*", *(f"> {line}" for line in m.reasoning.splitlines()), ""]
         if m.documents:
             lines += ["*attached: " + ", ".join(f"{d['name']} ({d['tokens']:,} tokens)" for d in m.documents) + "*", ""]
-        lines += [m.words, ""]
+        lines += [_fenced(m.words) if m.role == "tool" else m.words, ""]
+        lines += [f"*calls {c['name']}* `{json.dumps(c.get('arguments', {}), ensure_ascii=False)}`" for c in m.calls]
+        lines += [""] if m.calls else []
     return "\n".join(lines)
+
+
+def _fenced(text: str) -> str:
+    """A tool's result as a code block whose fence no run of backticks in it closes."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}\n{text}\n{fence}"
 
 
 def cmd_sessions(argv: Sequence[str]) -> int:

@@ -9,13 +9,14 @@
 #                                               # against llama-bench, verify cost
 #   bash scripts/gpu_final.sh document OUTDIR # build + the 8B shape, bench --document 20000 (KVS: f16 q8_0)
 #   bash scripts/gpu_final.sh statecost OUTDIR # build + the 8B shape, a 20,000-token state's way to disk and back
+#   bash scripts/gpu_final.sh tools OUTDIR     # build + the 8B shape, bench --tools against llama-server
 #   bash scripts/gpu_final.sh split OUTDIR     # two GPUs (nvidia-h200-x2): the 8B shape on one GPU, split by layer
 #                                               # and by row: plan per device, tokens, speeds, a session moved
 # A phase finds the build and the models of an earlier one on the same machine, else makes them.
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-case $PHASE in decode|document|statecost|split|split2) export MODELS=${MODELS:-8b-gqa};; demo) export MODELS=${MODELS:-tiny};; esac
+case $PHASE in decode|document|statecost|split|split2|tools) export MODELS=${MODELS:-8b-gqa};; demo) export MODELS=${MODELS:-tiny};; esac
 # one model: the build and it fit with the runs (the demo phase brings its own)
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
@@ -67,6 +68,13 @@ case $PHASE in
         --repeat 3 --json "$OUT/document-8b-$kv.json" 2> "$OUT/document-8b-$kv.err" | tee "$OUT/document-8b-$kv.txt"
       echo "document ($kv) at $(( $(date +%s) - t0 )) s"
     done
+    ;;
+  tools)
+    timeout 300 python3 -m localchat bench --tools --profile h200 --model $M/8b-gqa.gguf --repeat 5 \
+      --peer-server $B/llama-server --json "$OUT/tools-8b.json" > /dev/null 2> "$OUT/tools-8b.err"
+    echo "tools at $(( $(date +%s) - t0 )) s"
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['tools']; [print(k, json.dumps(r[k])) for k in r \
+      if k != 'approval_ttft_samples']" "$OUT/tools-8b.json"; tail -3 "$OUT/tools-8b.err"
     ;;
   statecost)
     for kv in f16 q8_0; do

@@ -25,7 +25,8 @@ CLASSES = {
     "test_privacy": "Privacy: file modes under any umask, no pickle on a load path, no writes elsewhere",
     "test_hostile_templates": "Hostile chat templates in copies of the demo model, refused within bounds",
     "test_hostile_models": "Damaged model files (hyper-parameters, vocabulary, tensors, types, NaN weights)",
-    "test_sudden_end": "A closed terminal, SIGTERM, SIGHUP and kill -9 mid-reply: nothing typed or read lost",
+    "test_sudden_end": "A closed terminal, SIGTERM, SIGHUP, kill -9 mid-reply and mid tool loop: nothing typed, "
+                       "read or run lost",
 }
 
 

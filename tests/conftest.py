@@ -23,6 +23,15 @@ def demo_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tools_model(demo_path, tmp_path_factory) -> Path:
+    """The demo model with Qwen2.5's template, which takes tools (the demo's own does not)."""
+    from tests.ggufedit import edit_gguf
+    from tests.official_templates import templates_dir
+    return edit_gguf(demo_path, tmp_path_factory.mktemp("qwen") / "qwen-demo.gguf",
+                     {"tokenizer.chat_template": (templates_dir() / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()})
+
+
+@pytest.fixture(scope="session")
 def gemma_path() -> Path:
     return ensure_builtin("gemma-270m", _report)
 

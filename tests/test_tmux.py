@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 
 class Tmux:
-    def __init__(self, command: str, env: dict[str, str]):
+    def __init__(self, command: str, env: dict[str, str], cwd: str = ""):
         self.name = f"lc-{uuid.uuid4().hex[:8]}"
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-        self.tmux("new-session", "-d", "-s", self.name, "-x", "200", "-y", "40", f"env {exports} {command}")
+        self.tmux("new-session", "-d", "-s", self.name, "-x", "200", "-y", "40", "-c", cwd or os.getcwd(),
+                  f"env {exports} {command}")
 
     def tmux(self, *args: str) -> subprocess.CompletedProcess:
         # A server of its own (-L): on a shared one, a session started just as the last one closes finds the
@@ -49,14 +50,14 @@ class Tmux:
         subprocess.run(["tmux", "-L", self.name, "kill-server"], capture_output=True)
 
 
-def start(home, stats, *args: str) -> tuple[Tmux, Callable[[], list[dict]]]:
-    """localchat in a new tmux session, writing --stats-json to `stats`; (the session, a stats reader)."""
+def start(home, stats, *args: str, cwd: str = "") -> tuple[Tmux, Callable[[], list[dict]]]:
+    """localchat in a new tmux session (in `cwd`), writing --stats-json to `stats`; (the session, a stats reader)."""
     cmd = (f"{shlex.quote(sys.executable)} -m localchat --temperature 0 --stats-json {shlex.quote(str(stats))} "
            + " ".join(args))
     env = {"LOCALCHAT_HOME": str(home), "PYTHONPATH": os.getcwd(), "TERM": "xterm-256color"}
     if os.environ.get("LOCALCHAT_MODELS"):
         env["LOCALCHAT_MODELS"] = os.environ["LOCALCHAT_MODELS"]
-    return Tmux(cmd, env), lambda: [json.loads(x) for x in stats.read_text().splitlines()] if stats.exists() else []
+    return Tmux(cmd, env, cwd), lambda: [json.loads(x) for x in stats.read_text().splitlines()] if stats.exists() else []
 
 
 def test_two_turns_status_bar_and_ctrl_c_in_a_real_terminal(home, tmp_path, demo_path):
@@ -138,6 +139,39 @@ def test_a_line_sent_during_a_reply_is_queued_and_replies_render_as_markdown(hom
         screen = t.wait_for(lambda s: code_line in s)
         assert "```" not in screen  # ... and the terminal shows it rendered: a highlighted block, no fences
         assert "> Write a Python function that adds two numbers." in screen
+        t.quit()
+    finally:
+        t.kill()
+
+
+def test_a_whole_tool_loop_in_a_real_terminal(home, tmp_path, tools_model):
+    from localchat.ui.approval import GRACE_S
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("Bread is made of flour, water and salt.\n")
+    t, read = start(home, tmp_path / "stats.jsonl", "--model", str(tools_model), "--tools", "--tool-choice",
+                    "required", "--max-tokens", "64", "--session", "loop", cwd=str(work))
+    asked: list[str] = []
+    try:
+        t.wait_for(lambda s: "/help for commands" in s and "\n>" in s)
+        t.keys("What is bread made of? Read notes.txt.", "Enter")
+        for _ in range(14):  # each call asked about in turn, until the turn ends
+            screen = t.wait_for(lambda s: "approve " in s or "go on with tool calls" in s or read(), timeout=120)
+            if read():
+                break
+            time.sleep(2 * GRACE_S)  # a key in the first moment is typing that went on, not an answer
+            line = next(x for x in screen.splitlines() if x.startswith(("approve ", "go on with")))
+            asked += [line] if line.startswith("approve ") else []  # not the question at the budget of calls
+            t.keys("o" if line.startswith(("approve read_file", "approve list_files", "approve search_text")) else "d")
+            t.wait_for(lambda s: line not in s or read(), timeout=120)
+        rows = read()
+        screen = t.wait_for(lambda s: "tool call" in s and "results" in s)  # the status bar counts them
+        assert asked and rows[0]["reply_tokens"] > 0 and sum(r.get("tool_calls", 0) for r in rows) == len(asked)
+        assert all(r["recomputed_tokens"] <= r["new_tokens"] + 1 for r in rows), rows  # each step adds only its own
+        records = [json.loads(x) for x in (home / "sessions" / "loop" / "transcript.jsonl").read_text().splitlines()]
+        results = [r for r in records if r.get("t") == "msg" and r["role"] == "tool"]
+        assert len(results) == len(asked) and all(r["call"]["status"] in ("ok", "denied", "error") for r in results)
+        assert "tool call: " in "\n".join(t.tmux("capture-pane", "-t", t.name, "-p", "-S", "-200").stdout.splitlines())
         t.quit()
     finally:
         t.kill()

@@ -15,6 +15,7 @@ from localchat.chatformat.toolcalls import ToolCall
 from localchat.errors import ToolsUnsupported
 from localchat.tools.builtin import Decision, Toolbox
 from localchat.tools.rooted import Root
+from localchat.ui import status
 from localchat.ui.approval import GRACE_S
 from tests.official_templates import TEMPLATES
 from tests.test_official import SCRIPTS, SYSTEM, chat_with, forced_reply, kv_text
@@ -161,6 +162,28 @@ def test_a_denied_call_is_told_to_the_model_and_the_loop_survives_a_resume(demo_
     assert replayed.messages[1].calls == chat.conv.messages[1].calls
 
 
+def test_undo_and_retry_take_a_whole_tool_exchange(demo_engine, official_dir, tmp_path):
+    (tmp_path / "notes.txt").write_text(NOTES)
+    chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
+    chat.enable_tools(toolbox(tmp_path), 10, "the demo model")
+    call = chat.tool_format.call_text([ToolCall("read_file", {"path": "notes.txt"}, "c1")])
+    with forced_reply(demo_engine, "Hello.", call, "Flour, water and salt."):
+        chat.turn("Hi")
+        chat.turn(QUESTION)
+        assert [m.role for m in chat.conv.messages] == ["user", "assistant", "user", "assistant", "tool", "assistant"]
+        assert chat.undo()  # the whole exchange: the question, the call, the result, the answer
+        assert [m.role for m in chat.conv.messages] == ["user", "assistant"]
+        window = chat.conv.window_tokens()
+        assert demo_engine.tokens[:len(window)] == window and demo_engine.n_kv <= len(window)
+    with forced_reply(demo_engine, call, "Flour, water and salt.", call, "Flour, water and salt."):
+        chat.turn(QUESTION)
+        st = chat.retry()  # the exchange again: the call runs again, its result replaces the first
+    assert [m.role for m in chat.conv.messages] == ["user", "assistant", "user", "assistant", "tool", "assistant"]
+    assert chat.conv.messages[4].content == NOTES.rstrip("\n") and st.extra["tool_calls"] == 1
+    assert kv_text(demo_engine, chat.conv.window_tokens()[:st.prompt_tokens]) == official_prompt(chat, 5)
+    assert st.recomputed_tokens <= st.new_tokens + 1
+
+
 def test_tools_on_a_model_whose_template_takes_none_is_one_line_and_exit_2(home, demo_path):
     from tests.conftest import run_cli
     r = run_cli(["--model", str(demo_path), "--tools"], "Hello\n", {"LOCALCHAT_HOME": str(home)})
@@ -194,25 +217,98 @@ def test_a_side_effect_cannot_be_approved_in_advance(home, demo_path):
         r.stderr.strip().splitlines()[-1] and not r.stdout
 
 
+# ---------------------------------------------------------------- approval costs no time
+LONG_NOTES = "".join(f"Line {i}: bread needs flour, water, salt and time.\n" for i in range(40))
+
+
+def _asked_ahead(demo_engine, official_dir, tmp_path, verdict: str) -> tuple[Chat, dict, list]:
+    """A read_file call asked about with results run ahead: the approver waits until the result is in the
+    KV, then answers `verdict`; (the chat, the step's stats, the KV's length when it answered)."""
+    (tmp_path / "notes.txt").write_text(LONG_NOTES)
+    chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
+    at_answer = []
+
+    def approve(request):
+        assert chat.prefetch_done.wait(120)  # the user reads while the result goes into the KV
+        at_answer.append(demo_engine.n_kv)
+        return Decision(verdict)
+
+    box = Toolbox(Root(tmp_path), approve, offered=("read_file", "write_file"), ahead=True)
+    chat.enable_tools(box, 10, "the demo model")
+    call = ToolCall("read_file", {"path": "notes.txt"}, "c1")
+    with forced_reply(demo_engine, chat.tool_format.call_text([call]), "It needs time."):
+        st = chat.turn("What does bread need? Read notes.txt.")
+    return chat, st.to_json(), at_answer
+
+
+def test_a_read_only_result_is_in_the_kv_before_the_user_approves_it(demo_engine, official_dir, tmp_path):
+    chat, st, at_answer = _asked_ahead(demo_engine, official_dir, tmp_path, "once")
+    assert st["tool_result_tokens"] > 400 and st["prefetched_tokens"] >= st["new_tokens"] - 1
+    assert at_answer[0] >= st["prompt_tokens"] - 1  # all of it but the last token, before the answer
+    assert st["recomputed_tokens"] == 1 and st["llama_prompt_eval"] == 1  # the step evaluates one token
+    assert kv_text(demo_engine, chat.conv.window_tokens()[:st["prompt_tokens"]]) == official_prompt(chat, 3)
+    assert [m.content for m in chat.conv.messages if m.role == "tool"] == [LONG_NOTES.rstrip("\n")]
+
+
+def test_a_denied_result_evaluated_ahead_is_rewound_out_of_the_kv(demo_engine, official_dir, tmp_path):
+    chat, st, at_answer = _asked_ahead(demo_engine, official_dir, tmp_path, "deny")
+    assert st["prefetched_tokens"] > 400 and at_answer[0] > st["prompt_tokens"]  # it was in the KV ...
+    result = [m for m in chat.conv.messages if m.role == "tool"][0]
+    assert result.content == "denied by the user" and result.call["status"] == "denied"
+    kv = kv_text(demo_engine, demo_engine.tokens)
+    assert "Line 3: bread" not in kv  # ... and is not now: the KV holds the denial, token for token
+    assert kv_text(demo_engine, chat.conv.window_tokens()[:st["prompt_tokens"]]) == official_prompt(chat, 3)
+    assert demo_engine.tokens[:st["prompt_tokens"]] == chat.conv.window_tokens()[:st["prompt_tokens"]]
+    assert st["recomputed_tokens"] <= st["new_tokens"] + 1
+
+
+def test_only_a_read_only_call_inside_the_working_directory_runs_before_its_approval(tmp_path):
+    (tmp_path / "a.txt").write_text("a")
+    asked: list[str] = []
+    box = Toolbox(Root(tmp_path), lambda r: asked.append(r.tool) or Decision("deny"), ahead=True)
+    assert box.preview(ToolCall("read_file", {"path": "a.txt"})).text == "a"
+    for call in (ToolCall("write_file", {"path": "b.txt", "content": "b"}),
+                 ToolCall("run_command", {"command": "touch c"}),
+                 ToolCall("read_file", {"path": "/etc/hostname"}), ToolCall("read_file", {"path": 3})):
+        assert box.preview(call) is None, call
+    assert not (tmp_path / "b.txt").exists() and not (tmp_path / "c").exists() and not asked
+    box.allowed.add("read_file")
+    assert box.preview(ToolCall("read_file", {"path": "a.txt"})) is None  # approved in advance: runs at once
+    assert Toolbox(Root(tmp_path), box.approve).preview(ToolCall("read_file", {"path": "a.txt"})) is None  # no one asked
+
+
+def test_calls_past_the_budget_wait_for_the_user(demo_engine, official_dir, tmp_path):
+    (tmp_path / "notes.txt").write_text(NOTES)
+    calls = [ToolCall("read_file", {"path": "notes.txt"}, f"c{i}") for i in range(3)]
+    for answer in (False, True):
+        chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
+        chat.enable_tools(toolbox(tmp_path), 2, "the demo model")
+        asked: list[tuple[int, int]] = []
+        chat.go_on = lambda made, more: asked.append((made, more)) or answer
+        texts = [chat.tool_format.call_text([c]) for c in calls] + ["Done."]
+        with forced_reply(demo_engine, *texts):
+            st = chat.turn(QUESTION)
+        ran = [m for m in chat.conv.messages if m.role == "tool"]
+        assert asked == [(2, 1)]  # the third call would pass the budget of two
+        assert len(ran) == (3 if answer else 2) and len(st.steps) == len(ran)
+        assert st.recomputed_tokens <= st.new_tokens + 1
+
+
 # ---------------------------------------------------------------- approval in the terminal UI
-@pytest.fixture(scope="module")
-def tools_model(demo_path, tmp_path_factory):
-    from tests.ggufedit import edit_gguf
-    from tests.official_templates import templates_dir
-    return edit_gguf(demo_path, tmp_path_factory.mktemp("qwen") / "qwen-demo.gguf",
-                     {"tokenizer.chat_template": (templates_dir() / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()})
-
-
 class Asked:
     """The terminal UI over the demo model with Qwen2.5's template and the built-in tools in `root`."""
 
-    def __init__(self, home, model, root, session):
+    def __init__(self, home, model, root, session, max_calls: int = 10):
         from localchat.ui.approval import Asking
         from tests.test_repl import Harness
         self.asking = Asking()
         self.h = Harness(home, max_tokens=16, session=session, model=str(model), asking=self.asking)
-        self.box = Toolbox(Root(root), self.asking.approve)
-        self.h.repl.scheduler.call(lambda: self.h.ctl.chat.enable_tools(self.box, 10, "demo")).result()
+        self.box = Toolbox(Root(root), self.asking.approve, ahead=True)  # as the app sets it up for the terminal
+
+        def enable() -> None:
+            self.h.ctl.chat.enable_tools(self.box, max_calls, "demo")
+            self.h.ctl.chat.go_on = self.asking.go_on
+        self.h.repl.scheduler.call(enable).result()
         self.engine = self.h.ctl.rt.engine
 
     def forced(self, *texts: str):
@@ -252,6 +348,33 @@ def test_the_terminal_ui_shows_a_call_whole_and_runs_it_once_approved(home, tool
         st = a.done()
         assert (tmp_path / "a.txt").read_text() == "hello" and st["tool_calls"] == 1
         assert st["recomputed_tokens"] <= st["new_tokens"] + 1
+    finally:
+        a.h.close()
+
+
+def test_a_read_is_in_the_kv_while_the_terminal_asks_and_more_calls_wait_at_the_budget(home, tools_model, tmp_path):
+    (tmp_path / "notes.txt").write_text(LONG_NOTES)
+    (tmp_path / "short.txt").write_text(NOTES)
+    a = Asked(home, tools_model, tmp_path, "approve-ahead", max_calls=1)
+    try:
+        a.ask("Read both notes", a.call_text("read_file", path="notes.txt"), a.call_text("read_file", path="short.txt"),
+              "Read both.")
+        assert a.h.ctl.chat.prefetch_done.wait(120)  # the user reads; the result goes into the KV meanwhile
+        a.h.type("o")
+        a.h.wait(lambda: a.asking.request is not None and any(a.asking.request.budget))
+        assert "go on with tool calls" in a.h.repl.live.view()[0][1]  # the second call would pass the budget
+        time.sleep(2 * GRACE_S)
+        a.h.type("o")
+        a.h.wait(lambda: a.asking.request is not None and not any(a.asking.request.budget))
+        time.sleep(2 * GRACE_S)
+        a.h.type("o")
+        st = a.done()
+        last = a.h.repl.bar.last
+        first_step = last.steps[1].to_json()
+        assert len(last.steps) == 2 and st["tool_calls"] == 1 and first_step["tool_calls"] == 1
+        assert first_step["prefetched_tokens"] > 400 and first_step["recomputed_tokens"] == 1  # read while asked
+        assert st["recomputed_tokens"] <= st["new_tokens"] + 1
+        assert "2 tool calls, results" in status.toolbar_text(a.h.repl.bar)
     finally:
         a.h.close()
 

@@ -181,6 +181,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="decode speed with drafts from the conversation (off, auto, on), repetitive and not")
     p.add_argument("--load", action="store_true",
                    help="decode speed beside 0, 1 and N busy processes: auto threads against each fixed count")
+    p.add_argument("--tools", action="store_true",
+                   help="a scripted five-step tool loop on a --paste-tokens file (against --peer-server), and "
+                        "the TTFT after approving a read whose result was evaluated while the user read")
     p.add_argument("--document", type=int, nargs="?", const=6000, metavar="TOKENS",
                    help="TTFT of a chat about a document of TOKENS (6000), first and second time (prefix store)")
     return p
@@ -188,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
-    if args.typing or args.reasoning:
+    if args.typing or args.reasoning or args.tools:
         return _idle_benches(args)
     if args.load or args.decode or args.document:
         return _decode_benches(args)
@@ -230,12 +233,12 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _idle_benches(args: argparse.Namespace) -> int:
-    """--typing and --reasoning (benchidle): one KV type, the profile's; JSON to --json and stdout."""
+    """--typing, --reasoning and --tools: one KV type, the profile's; JSON to --json and stdout."""
     from localchat.bench import idle
     o = overrides(args)
     o["temperature"], o["max_tokens"] = 0.0, args.reply_tokens
-    if args.typing and not o.get("n_ctx"):
-        o["n_ctx"] = 8192  # the history, a 2,000-token paste and the reply
+    if (args.typing or args.tools) and not o.get("n_ctx"):
+        o["n_ctx"] = 8192  # the history, a 2,000-token paste (or file) and the reply
     profile = runtime.load_profile(args.profile, o)
     if args.repeat is None:
         args.repeat = 3
@@ -246,6 +249,9 @@ def _idle_benches(args: argparse.Namespace) -> int:
             result["typing"] = idle.run_typing(profile, args, _report)
         if args.reasoning:
             result["reasoning"] = idle.run_reasoning(profile, args, _report)
+        if args.tools:
+            from localchat.bench import toolloop
+            result["tools"] = toolloop.run_tools(profile, args, _report)
     sys.stderr.write("\n")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

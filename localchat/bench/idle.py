@@ -41,10 +41,10 @@ THINK_TEMPLATE = (  # ChatML that drops the thoughts of earlier replies, as Qwen
 
 
 @contextlib.contextmanager
-def forced_reply(engine: Engine, tokens: list[int], *more: list[int]) -> Iterator[None]:
-    """The next reply is `tokens` (and those after it `more`, in order; then `tokens` again), produced as
-    sampling produces a reply (each token evaluated before the next, the last left pending): reasoning or
-    tool calls that a small model would not write."""
+def forced_reply(engine: Engine, tokens: list[int], *more: list[int] | None) -> Iterator[None]:
+    """The next reply is `tokens` (and those after it `more`, in order, None: sampled; then `tokens` again),
+    produced as sampling produces a reply (each token evaluated before the next, the last left pending):
+    reasoning or tool calls that a small model would not write."""
     queue = [tokens, *more]
     turn = [0]
 
@@ -52,6 +52,9 @@ def forced_reply(engine: Engine, tokens: list[int], *more: list[int]) -> Iterato
                  inject: Callable[[], list[int]] | None = None, spec: object = None) -> Generator[str, None, None]:
         reply = queue[turn[0]] if turn[0] < len(queue) else tokens
         turn[0] += 1
+        if reply is None:
+            yield from real(sampler, max_tokens, gen, cancelled, inject, spec)  # type: ignore[arg-type]
+            return
         for tok in reply:
             gen.last_token_at = time.perf_counter()
             gen.first_token_at = gen.first_token_at or gen.last_token_at

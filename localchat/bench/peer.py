@@ -25,11 +25,15 @@ def _common_flags(c: EngineConfig) -> list[str]:
 class PeerServer:
     """llama-server on loopback with one slot, the same model and settings as localchat."""
 
-    def __init__(self, path: str, c: EngineConfig):
+    def __init__(self, path: str, c: EngineConfig, template: str = "", flags: tuple[str, ...] = ()):
+        """`template`: a chat template file, rendered by llama-server's own Jinja (--jinja): tool calls."""
         self.port = _free_port()
         cmd = [path, *_common_flags(c), "-c", str(c.n_ctx), "-b", str(c.n_batch), "-ub", str(c.n_ubatch),
                "-fa", "on" if c.flash_attn else "off", "-ctk", c.type_k, "-ctv", c.type_v, "-np", "1",
                "--host", "127.0.0.1", "--port", str(self.port), "--no-webui"]
+        if template:
+            cmd += ["--jinja", "--chat-template-file", template]
+        cmd += flags
         if cpu_has_amx():
             cmd.append("--no-repack")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -80,6 +84,35 @@ class PeerServer:
         return {"ttft_s": ttft, "prompt_n": int(timings.get("prompt_n", 0)),
                 "prompt_ms": float(timings.get("prompt_ms", 0.0)),
                 "decode_tps": float(timings.get("predicted_per_second", 0.0))}
+
+
+    def erase(self) -> None:
+        """Empty the slot's cache: the next request starts cold."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request("POST", "/slots/0?action=erase", b"{}", {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        conn.close()
+        if resp.status != 200:
+            raise RuntimeError(f"llama-server did not erase its slot ({resp.status})")
+
+    def chat(self, messages: list[dict], tools: list[dict], max_tokens: int) -> dict:
+        """/v1/chat/completions, greedy, the cache kept: (wall seconds, prompt tokens evaluated, reply)."""
+        body = json.dumps({"messages": messages, "tools": tools, "max_tokens": max_tokens, "temperature": 0,
+                           "top_k": 1, "cache_prompt": True, "stream": False}).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = json.loads(resp.read() or b"{}")
+        wall = time.perf_counter() - t0
+        conn.close()
+        if resp.status != 200:
+            raise RuntimeError(f"llama-server answered {resp.status}: {str(data)[:300]}")
+        timings = data.get("timings", {})
+        return {"wall_s": wall, "prompt_n": int(timings.get("prompt_n", 0)),
+                "prompt_s": float(timings.get("prompt_ms", 0.0)) / 1000,
+                "predicted_n": int(timings.get("predicted_n", 0))}
 
 
 def run_llama_bench(path: str, c: EngineConfig, depth: int, n_gen: int, repeat: int = 3) -> float:

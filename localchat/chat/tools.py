@@ -4,6 +4,8 @@ only what it adds; the model then answers or calls again, up to the reply's budg
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -31,7 +33,8 @@ class ToolRunner(Protocol):
     """What runs a chat's tool calls (approval included): the built-in tools, later MCP servers."""
 
     def schemas(self) -> list[dict[str, Any]]: ...
-    def call(self, call: ToolCall, cancelled: Callable[[], bool] | None) -> Outcome: ...
+    def preview(self, call: ToolCall) -> Outcome | None: ...
+    def call(self, call: ToolCall, cancelled: Callable[[], bool] | None, ready: Any = None) -> Outcome: ...
 
 
 class Steps(Protocol):
@@ -41,10 +44,12 @@ class Steps(Protocol):
     max_tool_calls: int
 
     def last_calls(self) -> list[ToolCall]: ...
+    def prefetch(self, calls: list[ToolCall], outcomes: list[Outcome], stale: Callable[[], bool]) -> None: ...
 
 
-GoOn = Callable[[int], bool]  # asked after this many calls in one reply: go on?
-Step = Callable[[list[ToolCall], list[Outcome], bool], TurnStats]  # results in, the next reply out (bool: answer)
+GoOn = Callable[[int, int], bool]  # (calls made, calls asked) would pass the reply's budget: go on?
+# results in, the next reply out (answer: the user did not stop the loop; started: when the results were all in)
+Step = Callable[[list[ToolCall], list[Outcome], bool, float], TurnStats]
 
 
 def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool] | None,
@@ -55,17 +60,48 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
     steps: list[TurnStats] = []
     last, made = first, 0
     while not last.cut and (calls := chat.last_calls()):
-        if made + len(calls) > chat.max_tool_calls and not (go_on is not None and go_on(made)):
+        if made + len(calls) > chat.max_tool_calls and not (go_on is not None and go_on(made, len(calls))):
             break
         if made + len(calls) > chat.max_tool_calls:
             made = 0  # the user said go on: a new budget
-        assert chat.runner is not None
-        outcomes: list[Outcome] = []
-        for call in calls:
-            stopped = cancelled is not None and cancelled()
-            outcomes.append(Stopped() if stopped else chat.runner.call(call, cancelled))
+        outcomes, started = _outcomes(chat, calls, cancelled)
         made += len(calls)
         steps.append(last)
-        last = step(calls, outcomes, not (cancelled is not None and cancelled()))
+        last = step(calls, outcomes, not (cancelled is not None and cancelled()), started)
     last.steps = steps
     return last
+
+
+def _outcomes(chat: Steps, calls: list[ToolCall], cancelled: Callable[[], bool] | None) -> tuple[
+        list[Outcome], float]:
+    """The calls run, each once approved, and when the last result was in (perf_counter: the step's TTFT
+    runs from there). Where every call is read-only and waits for the user, the results are run ahead and
+    evaluated into the KV while the user reads (the step then starts at once); an answer that changes a
+    result (deny, edit) stops that, and the step rewinds to where they differ."""
+    runner = chat.runner
+    assert runner is not None
+    stop = cancelled or (lambda: False)
+    ahead = [runner.preview(call) for call in calls]
+    if not all(ahead):
+        ran: list[Outcome] = [Stopped() if stop() else runner.call(call, cancelled) for call in calls]
+        return ran, time.perf_counter()
+    outcomes: list[Outcome] = []
+    answered = [0.0]
+    failed: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            for call, ready in zip(calls, ahead):
+                outcomes.append(Stopped() if stop() else runner.call(call, cancelled, ready))
+            answered[0] = time.perf_counter()
+        except BaseException as exc:  # raised again on the chat's thread
+            failed.append(exc)
+
+    asking = threading.Thread(target=ask, name="tool-approval", daemon=True)
+    asking.start()
+    chat.prefetch(calls, [a for a in ahead if a is not None],
+                  lambda: stop() or bool(failed) or any(o is not a for o, a in zip(list(outcomes), ahead)))
+    asking.join()
+    if failed:
+        raise failed[0]
+    return outcomes, answered[0]

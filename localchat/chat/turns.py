@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,6 +88,9 @@ class Chat:
         self.tool_format: ToolFormat | None = None
         self.max_tool_calls = 10
         self.go_on: tools.GoOn | None = None  # asked when a reply reaches max_tool_calls
+        self._prefetched = 0  # result tokens evaluated while the user was asked about the calls
+        self.prefetch_done = threading.Event()  # the results run ahead are in the KV (or it stopped)
+        self._last_delta: tuple[object, tuple[list[list[int]], list[list[int]], list[int]]] = (None, ([], [], []))
         self.ahead = Ahead(self)  # the work done while the user is not waiting
 
     @property
@@ -134,13 +138,17 @@ class Chat:
         return [ToolCall(c["name"], c.get("arguments", {}), c.get("id", "")) for c in last.calls]
 
     def tool_step(self, calls: list[ToolCall], outcomes: list[tools.Outcome], opts: replystream.ReplyOptions,
-                  answer: bool = True) -> TurnStats:
+                  answer: bool = True, started: float | None = None,
+                  on_message: Callable[[], None] | None = None) -> TurnStats:
         """One step of a tool loop: the results go in as the template's delta after the calls (the call's
         end, each result as plain text, the next generation prompt), then the model replies (`answer`
-        False: Ctrl-C stopped the loop; the results are kept, the reply is left cut)."""
+        False: Ctrl-C stopped the loop; the results are kept, the reply is left cut). The TTFT runs from
+        `started` (perf_counter), when the results were in; `on_message` is called once the call and its
+        results are recorded (the session writes them to disk: a step once done is never lost)."""
         e = self.engine
         assert self.tool_format is not None
-        t0 = time.perf_counter()
+        t0 = started if started is not None else time.perf_counter()
+        self.prefetch_done.clear()  # set again by the next step's evaluation ahead
         st = TurnStats(turn=self.conv.turns, n_ctx=e.n_ctx)
         heads, results, tail = self._result_delta(calls, outcomes)
         bodies = results[:-1] + [results[-1] + tail]  # the last result's message ends with the next prompt
@@ -149,8 +157,11 @@ class Chat:
         for call, outcome, head, body in zip(calls, outcomes, heads, bodies):
             self._record(self.conv.add_result(outcome.text, head, body, {"name": call.name, "id": call.id,
                                                                           "status": outcome.status}))
+        if on_message is not None:
+            on_message()
         st.extra.update(step=len([m for m in self._exchange() if m.role == "assistant"]), tool_calls=len(calls),
-                        tool_result_tokens=sum(map(len, results)))
+                        tool_result_tokens=sum(map(len, results)), prefetched_tokens=self._prefetched)
+        self._prefetched = 0
         prompt = self.conv.window_tokens()
         e.reset_perf()
         gen = Generation(tokens=[])
@@ -162,6 +173,7 @@ class Chat:
             pre = PrefillResult(e.common_prefix(prompt), 0, 0.0, -1, False)
         st.cached_tokens, st.recomputed_tokens, st.prefill_s = pre.cached, pre.recomputed, pre.seconds
         if not answer:
+            e.truncate(e.common_prefix(prompt))  # nothing evaluated ahead of a denied result stays in the KV
             self._record(self.conv.add_reply("", [], cut=True))
             st.stop_reason, st.cut = "cancelled", True
             return self._finish(st, t0, gen, NO_INPUTS)
@@ -170,6 +182,23 @@ class Chat:
         self._reply(len(prompt), gen, st, opts)
         self.ahead.end_turn()
         return self._finish(st, t0, gen, NO_INPUTS, prompt_eval)
+
+    def prefetch(self, calls: list[ToolCall], outcomes: list[tools.Outcome], stale: Callable[[], bool]) -> None:
+        """While the user is asked about read-only calls, their results (run ahead) go into the KV, all but
+        the last token (which the step evaluates for its logits: no rewind, even under a sliding window).
+        Stopped once `stale` (an answer changed a result); skipped where it would need an eviction."""
+        heads, results, tail = self._result_delta(calls, outcomes)
+        bodies = results[:-1] + [results[-1] + tail]
+        prompt = self.conv.window_tokens() + [t for h, b in zip(heads, bodies) for t in h + b]
+        before = self.engine.n_kv
+        try:
+            if len(prompt) + self.settings.max_tokens <= self.engine.n_ctx:
+                self._prefetched = self.engine.prefill(prompt[:-1], cancelled=stale).recomputed
+        except Cancelled:
+            self._prefetched = max(0, self.engine.n_kv - before)
+        finally:
+            self.engine.synchronize()  # done now, and booked in llama.cpp's counters before the step's
+            self.prefetch_done.set()
 
     def _room_for_step(self, added: int, st: TurnStats) -> None:
         """Older exchanges leave the window if the step's results and reply would not fit; this exchange stays."""
@@ -196,11 +225,15 @@ class Chat:
         """The results' tokens: the template's text before each (special tokens parsed), each result as
         plain text (a result is untrusted: it can open or close nothing), the template's text after the last."""
         assert self.tool_format is not None
+        key = (tuple(calls), tuple(o.text for o in outcomes), tuple(self.conv.messages[-1].tokens[-1:]))
+        if self._last_delta[0] == key:  # the step after its evaluation ahead: a long result tokenized once
+            return self._last_delta[1]
         texts = [text for text, _ in self.tool_format.result_text(calls)]
         texts[0] = self._past_reply(texts[0])
         heads = [self._tok(t) for t in texts[:-1]]
         results = [self._tok(self.result_written(o.text), special=False) for o in outcomes]
-        return heads, results, self._tok(texts[-1])
+        self._last_delta = (key, (heads, results, self._tok(texts[-1])))
+        return self._last_delta[1]
 
     # ---------------------------------------------------------------- deltas
     def _tok(self, text: str, special: bool = True, bos: bool = False) -> list[int]:
@@ -297,8 +330,8 @@ class Chat:
         st = self._finish(st, t0, gen, inputs, prompt_eval)
         if self.runner is None:
             return st
-        return tools.loop(self, st, lambda calls, outcomes, answer: self.tool_step(calls, outcomes, opts, answer),
-                          cancelled, self.go_on)
+        return tools.loop(self, st, lambda calls, outcomes, answer, started: self.tool_step(
+            calls, outcomes, opts, answer, started, on_message), cancelled, self.go_on)
 
     def _lay_out(self, text: str, st: TurnStats, inputs: TurnInputs) -> _Laid:
         """Make room, add the user's message with its delta, and say where the turn's own tokens start."""
@@ -424,6 +457,7 @@ class Chat:
         perf = e.perf()
         st.llama_prompt_eval = int(perf["prompt_n"]) if prompt_eval is None else prompt_eval
         st.llama_eval = int(perf["eval_n"])
+        st.extra["padding_tokens"] = int(perf["padding_n"])  # evaluated beside the prompt for speed, then dropped
         if gen.first_token_at:
             st.ttft_s = gen.first_token_at - t0
         if perf["eval_ms"] > 0:

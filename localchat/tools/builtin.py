@@ -80,6 +80,7 @@ class Request:
     side_effect: bool
     outside: str = ""  # a path outside the working directory, which needs its own approval
     may_always: bool = True  # "always for this tool" is offered (never for run_command or an outside path)
+    budget: tuple[int, int] = (0, 0)  # not a call: (calls made, calls asked) past the reply's budget; go on?
 
 
 @dataclass(frozen=True)
@@ -150,33 +151,59 @@ class Toolbox:
     cancelled: Callable[[], bool] | None = None  # Ctrl-C, polled while a command runs
     offered: tuple[str, ...] = READ_ONLY + SIDE_EFFECTS  # the tools the model is told of
     report: Callable[[str], None] | None = None  # a line per call: what ran and how it ended
+    ahead: bool = False  # read-only calls that wait for the user are run before (`preview`): someone reads them
 
     def schemas(self) -> list[dict[str, Any]]:
         return [_SCHEMAS[name] for name in self.offered]
 
-    def call(self, call: Any, cancelled: Callable[[], bool] | None = None) -> Result:
-        """A chat's tool call (a name and arguments), approved, run and its result capped."""
+    def call(self, call: Any, cancelled: Callable[[], bool] | None = None, ready: Result | None = None) -> Result:
+        """A chat's tool call (a name and arguments), approved, run and its result capped; `ready`: its
+        `preview`, the result when the user approves the call as it is."""
         self.cancelled = cancelled
-        result = self.run(call.name, call.arguments)
+        result = self.run(call.name, call.arguments, ready)
         if self.report is not None:
             shown = _arguments(call.arguments) if isinstance(call.arguments, dict) else ""
             self.report(f"[tool {call.name}({shown[:200]}): {result.status}, {len(result.text):,} characters]")
         return result
 
-    def run(self, name: str, arguments: Any) -> Result:
+    def preview(self, call: Any) -> Result | None:
+        """The result of a read-only call inside the working directory that will wait for the user's
+        approval, run before it so the chat can evaluate it while the user reads. None for any other
+        call: a side effect, or a path outside, never runs before it is approved."""
+        name, args = call.name, call.arguments
+        if not self.ahead or name not in READ_ONLY or name not in self.offered or name in self.allowed:
+            return None
+        if validate(_SCHEMAS[name], args):
+            return None
+        try:
+            if self._request(name, args).outside:
+                return None
+        except (ToolError, OSError):
+            return None
+        return self._execute(name, args)
+
+    def run(self, name: str, arguments: Any, ready: Result | None = None) -> Result:
         if name not in self.offered:
             return Result(f"unknown tool {name!r}; the tools are: {', '.join(self.offered)}", "error")
         problem = validate(_SCHEMAS[name], arguments)
         if problem:
             return Result(f"{name}: the arguments do not fit the tool's schema: {problem}", "error")
         try:
-            request = self._request(name, arguments)
-            decision = self._decide(request)
-            if decision.verdict == "deny":
-                return Result("denied by the user", "denied")
-            args = decision.arguments if decision.arguments is not None else arguments
-            if decision.arguments is not None and (problem := validate(_SCHEMAS[name], args)):
-                return Result(f"{name}: the edited arguments do not fit the schema: {problem}", "error")
+            decision = self._decide(self._request(name, arguments))
+        except ToolError as exc:
+            return Result(f"{name}: {exc}", "error")
+        except OSError as exc:
+            return Result(f"{name}: {exc.strerror or exc}", "error")
+        if decision.verdict == "deny":
+            return Result("denied by the user", "denied")
+        if decision.arguments is None:
+            return ready if ready is not None else self._execute(name, arguments)
+        if problem := validate(_SCHEMAS[name], decision.arguments):
+            return Result(f"{name}: the edited arguments do not fit the schema: {problem}", "error")
+        return self._execute(name, decision.arguments)
+
+    def _execute(self, name: str, args: dict[str, Any]) -> Result:
+        try:
             return Result(cap(getattr(self, f"_{name}")(**args)))
         except ToolError as exc:
             return Result(f"{name}: {exc}", "error")

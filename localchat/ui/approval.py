@@ -30,6 +30,10 @@ def pre_approved_only(report: Callable[[str], None]) -> Callable[[Request], Deci
 
 def describe(request: Request) -> str:
     """The call whole, as the user approves it."""
+    if any(request.budget):
+        made, asked = request.budget
+        return (f"the model asks for {asked} more tool calls; with the {made} it made in this reply they pass "
+                f"its budget (max_tool_calls)")
     kind = "changes files or runs a command" if request.side_effect else "reads"
     where = f"\n  outside the working directory: {request.outside}" if request.outside else ""
     args = json.dumps(request.arguments, ensure_ascii=False, indent=2)
@@ -37,6 +41,8 @@ def describe(request: Request) -> str:
 
 
 def keys_line(request: Request) -> str:
+    if any(request.budget):
+        return "go on with tool calls (a new budget)?  [o] yes  [d] no: stop here  (Ctrl-C: stop)"
     always = f"  [a] always for {request.tool}" if request.may_always else ""
     return f"approve {request.tool}?  [o] once{always}  [d] deny  [e] edit the arguments  (Ctrl-C: deny, stop)"
 
@@ -67,6 +73,11 @@ class Asking:
             decision = self._decision or Decision("deny")
             self.request, self.editing = None, False
         return decision
+
+    def go_on(self, made: int, asked: int) -> bool:
+        """Called on the engine's thread when a reply's calls would pass its budget: go on with a new one?"""
+        request = Request("tool calls", {}, "", False, may_always=False, budget=(made, asked))
+        return self.approve(request).verdict == "once"
 
     def key(self) -> bool:
         """A key was pressed while the call waits: True when it may answer (the call was on screen, and no

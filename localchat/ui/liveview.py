@@ -172,7 +172,7 @@ class LiveReply:
         @kb.add("e", filter=waiting)
         def _(event: Any) -> None:
             request = asking.request
-            if asking.key() and request is not None:
+            if asking.key() and request is not None and not any(request.budget):
                 asking.editing = True
                 typeahead.text = json.dumps(request.arguments, ensure_ascii=False)
                 typeahead.cursor_position = len(typeahead.text)

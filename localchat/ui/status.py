@@ -59,6 +59,13 @@ def _reply_parts(st: TurnStats) -> list[str]:
         parts.append(f"thought {st.extra['reasoning_tokens']} of {st.reply_tokens} tokens")
     if st.extra.get("draft_tokens"):
         parts.append(f"drafts {100 * st.extra['accepted_tokens'] / st.extra['draft_tokens']:.0f}% accepted")
+    steps = [*st.steps, st]
+    calls = sum(s.extra.get("tool_calls", 0) for s in steps)
+    if calls:
+        results = sum(s.extra.get("tool_result_tokens", 0) for s in steps)
+        ahead = sum(s.extra.get("prefetched_tokens", 0) for s in steps)
+        parts.append(f"{calls} tool call{'s' * (calls > 1)}, results {results} tok"
+                     + (f" ({ahead} read while asked)" if ahead else ""))
     return parts
 
 

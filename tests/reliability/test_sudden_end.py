@@ -133,3 +133,31 @@ def test_closing_the_terminal_window_mid_reply_keeps_the_turn_in_flight(home, tm
     st = _resumes_with_the_kv(home, "win", tmp_path)
     assert st["turn"] == 3 and st["kv_restored"] is True and st["recomputed_tokens"] <= st["new_tokens"] + 1
     tally.case(True)  # reached only when every check above held
+
+
+def test_kill_9_mid_tool_loop_keeps_every_completed_step(home, tmp_path, tools_model, tally):
+    (tmp_path / "notes.txt").write_text("Bread is made of flour, water and salt.\n")
+    tools = [*ARGS, "--model", str(tools_model), "--tools", "--tool-choice", "required", "--allow-tool", "read_file"]
+    env = {**os.environ, "LOCALCHAT_HOME": str(home), "PYTHONPATH": os.getcwd()}
+    p = subprocess.Popen([sys.executable, "-m", "localchat", *tools, "--max-tokens", "300", "--session", "loop"],
+                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                         cwd=tmp_path)
+    assert p.stdin is not None
+    p.stdin.write(b"What is bread made of? Read notes.txt.\n")
+    p.stdin.flush()
+    path, deadline = home / "sessions" / "loop" / "transcript.jsonl", time.time() + 120
+    while time.time() < deadline and not (path.exists() and '"role": "tool"' in path.read_text()):
+        time.sleep(0.01)
+    p.kill()  # the step's result is on disk: the model's next reply is on its way
+    p.wait(timeout=30)
+    before = messages(home, "loop")
+    assert [m["role"] for m in before][:3] == ["user", "assistant", "tool"]
+    assert before[1]["calls"] and before[2]["call"]["id"] == before[1]["calls"][0]["id"]
+    r = run_cli([*tools, "--max-tokens", "8", "--session", "loop", "--tool-choice", "auto"], stdin="And then?\n",
+                env={"LOCALCHAT_HOME": str(home)})
+    assert r.returncode == 0, r.stderr
+    after = messages(home, "loop")
+    assert after[:3] == before[:3] and after[-2]["content"] == "And then?"  # every completed step kept
+    exported = run_cli(["sessions", "export", "loop"], env={"LOCALCHAT_HOME": str(home)}).stdout
+    assert f"*calls {before[1]['calls'][0]['name']}*" in exported and f"**tool** ({before[2]['call']['name']}, " in exported
+    tally.case(True)  # reached only when every check above held
