@@ -26,7 +26,6 @@ NOT_TAKING_TOOLS = {  # templates of the suite that render no tool list or no ca
     "microsoft-Phi-3.5-mini-instruct.jinja": "does not take tools",
     "HuggingFaceTB-SmolLM3-3B.jinja": "does not take tools",
     "google-gemma-2-2b-it.jinja": "does not take tools",
-    "ibm-granite-granite-3.3-2B-Instruct.jinja": "does not render tool calls",
 }
 TAKING_TOOLS = [t for t in TEMPLATES if t not in NOT_TAKING_TOOLS]
 NOTES = "Bread is made of flour, water and salt.\n"

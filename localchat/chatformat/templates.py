@@ -9,6 +9,7 @@ the template's text so that it is never parsed for special tokens.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -29,6 +30,11 @@ FALLBACK_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 FALLBACK_STOP = ("\nUser:",)
+
+# a marker that opens a tool call, as a template's tool instructions name it (Granite 3.3: <|tool_call|>)
+_CALL_OPENING = re.compile(r"<\|?[A-Za-z_]*tool_?call[A-Za-z_]*\|?>")
+_PROBE_CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "c0", "type": "function", "function": {"name": "localchat_probe_tool", "arguments": {"q": "probe7d1e"}}}]}
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ class ChatFormat:
         if "enable_thinking" in self.source:
             self.options["enable_thinking"] = True  # llama.cpp's default; some templates read "undefined" as off
         self.system_role = True  # False: the template refuses a system message; it is folded in
+        self._opening: str | None = None  # calls written in a reply's text: their opening (see _content_opening)
         self._probe()
 
     def _probe(self) -> None:
@@ -82,8 +89,30 @@ class ChatFormat:
 
     def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         """The template's own rendering, as Hugging Face transformers renders it, inside bounds; `tools`:
-        this tool list instead of the chat's."""
+        this tool list instead of the chat's. Where the template renders no calls but its instructions
+        name their opening marker, a reply's calls are rendered in its text, as the model writes them."""
         tools = self.tools if tools is None else tools
+        if tools and any(m.get("tool_calls") for m in messages) and (opening := self._content_opening(tools)):
+            messages = [_call_in_content(m, opening) if m.get("tool_calls") else m for m in messages]
+        return self._render(messages, add_generation_prompt, tools)
+
+    def _content_opening(self, tools: list[dict]) -> str:
+        """The marker that opens a call in a template that renders no `tool_calls` but whose instructions
+        name it (Granite 3.3: "respond only with <|tool_call|> followed by a JSON list of tools used"); ""
+        where the template renders calls itself, or names no such marker. Found once per template."""
+        if self._opening is None:
+            self._opening = ""
+            try:
+                if "probe7d1e" not in self._render([{"role": "user", "content": "Hi"}, _PROBE_CALL], False, tools):
+                    plain = self._render([{"role": "user", "content": "Hi"}], True, [])
+                    asked = self._render([{"role": "user", "content": "Hi"}], True, tools)
+                    self._opening = next((m for m in _CALL_OPENING.findall(asked) if m not in plain), "")
+            except TemplateFailure as exc:
+                if exc.kind != "template":  # refused (a bound, the sandbox): not a question of format
+                    raise
+        return self._opening
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict]) -> str:
         context = {**self.options, "messages": messages, "add_generation_prompt": add_generation_prompt,
                    "bos_token": self._bos, "eos_token": self._eos, **({"tools": tools} if tools else {})}
         try:
@@ -184,3 +213,14 @@ def template_problem(template: str | None, invalid_utf8: bool = False) -> str:
     except ModelError as exc:
         return str(exc)
     return ""
+
+
+def _call_in_content(message: dict, opening: str) -> dict:
+    """A reply's calls written into its text after `opening`, as a JSON list of names and arguments."""
+    calls = []
+    for c in message["tool_calls"]:
+        f = c.get("function", c)
+        args = json.loads(f["arguments"]) if isinstance(f.get("arguments"), str) else f.get("arguments", {})
+        calls.append({"name": f["name"], "arguments": args})
+    rest = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**rest, "content": (message.get("content") or "") + opening + json.dumps(calls, ensure_ascii=False)}
