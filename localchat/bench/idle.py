@@ -75,7 +75,7 @@ def forced_reply(engine: Engine, tokens: list[int], *more: list[int] | None) -> 
         engine.generate = real  # type: ignore[method-assign]
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: list[float]) -> float:
     return round(statistics.median(xs), 4) if xs else 0.0
 
 
@@ -143,7 +143,7 @@ def run_typing(profile: Any, args: Any, report: Callable[[str], None]) -> dict[s
     if args.peer_server:
         result["server"] = _server(args.peer_server, rt.engine, before, prompts, max(1, args.repeat))
     rt.close()
-    med = {label: _median([r["ttft_s"] for r in rows if r["case"] == label]) for label in dict.fromkeys(
+    med = {label: median([r["ttft_s"] for r in rows if r["case"] == label]) for label in dict.fromkeys(
         r["case"] for r in rows)}
     one = med["one word"] or 1e-9
     result["ttft_median_s"] = med
@@ -162,7 +162,7 @@ def _server(path: str, engine: Engine, before: list[int], prompts: dict[str, lis
             for _ in range(repeat + 1):
                 server.completion(before, 1)
                 samples.append(server.completion(prompts[label], 1)["ttft_s"])
-            out[label] = _median(samples[1:])  # the first warms the server
+            out[label] = median(samples[1:])  # the first warms the server
     return out
 
 
@@ -202,7 +202,7 @@ def run_reasoning(profile: Any, args: Any, report: Callable[[str], None]) -> dic
                          "new_tokens": st.new_tokens})
             report(f"\rreasoning bench: {mode} TTFT {st.ttft_s:.3f} s" + " " * 20)
     rt.close()
-    summary = {mode: {k: _median([r[k] for r in rows if r["mode"] == mode]) for k in ("idle_s", "ttft_s")}
+    summary = {mode: {k: median([r[k] for r in rows if r["mode"] == mode]) for k in ("idle_s", "ttft_s")}
                for mode in ("read first", "sent at once", "as-sampled")}
     return {"rows": rows, "reply_tokens": len(reply), "reasoning_tokens": args.reasoning_tokens,
             "summary": summary, "template": "model's own" if source != THINK_TEMPLATE else "Qwen3-style (built in)"}

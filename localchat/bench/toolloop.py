@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from localchat import runtime
-from localchat.bench.idle import forced_reply
+from localchat.bench.idle import forced_reply, median
 from localchat.bench.modes import text_of
 from localchat.bench.peer import PeerServer
 from localchat.chat.turns import Chat, ChatSettings
@@ -122,15 +121,12 @@ def _approval(engine: Engine, source: str, settings: ChatSettings, notes: str, r
     """TTFT after "once" on a read_file of the whole file, the reply sampled: after the user read the
     call (`reads`: its result evaluated meanwhile), or at once."""
     with _workdir(notes) as root:
-        holder: list[Chat] = []
-
         def approve(request: Request) -> Decision:
             if reads:
-                holder[0].prefetch_done.wait(600)
+                chat.prefetch_done.wait(600)  # asked during the turn, once `chat` is made
             return Decision("once")
 
         chat = _chat(engine, source, root, settings, approve, ahead=True)
-        holder.append(chat)
         chat.max_tool_calls = 1  # a call the sampled reply may write is not run
         assert chat.tool_format is not None
         with forced_reply(engine, _tokens(engine, chat.tool_format.call_text([_calls(0)[0]])), None):
@@ -199,14 +195,14 @@ def _rounds(e: Engine, source: str, settings: ChatSettings, notes: str, line: in
     ours = loops[0]
     out: dict[str, Any] = {"localchat": {
         "steps": ours["steps"], "evaluated_total": ours["evaluated_total"], "edit_made": ours["edit_made"],
-        "wall_s_median": _median([x["wall_s"] for x in loops]), "wall_s": [x["wall_s"] for x in loops]}}
-    out["approval_ttft_s"] = {k: _median(v) for k, v in ttft.items()}
+        "wall_s_median": median([x["wall_s"] for x in loops]), "wall_s": [x["wall_s"] for x in loops]}}
+    out["approval_ttft_s"] = {k: median(v) for k, v in ttft.items()}
     out["approval_ttft_samples"] = ttft
     out["after_reading_over_nothing_left"] = round(out["approval_ttft_s"]["after reading"] / max(
         out["approval_ttft_s"]["nothing left"], 1e-9), 3)
     if peers:
         out["server"] = {"steps": peers[0]["steps"], "evaluated_total": peers[0]["evaluated_total"],
-                         "wall_s_median": _median([r["wall_s"] for r in peers]), "wall_s": [r["wall_s"] for r in peers]}
+                         "wall_s_median": median([r["wall_s"] for r in peers]), "wall_s": [r["wall_s"] for r in peers]}
         out["evaluated_localchat_over_server"] = round(ours["evaluated_total"] / max(peers[0]["evaluated_total"], 1), 3)
         out["wall_localchat_over_server"] = round(out["localchat"]["wall_s_median"] / max(
             out["server"]["wall_s_median"], 1e-9), 3)
@@ -217,7 +213,3 @@ def _probe(source: str, e: Engine) -> ChatFormat:
     fmt = ChatFormat(source, e.special_text("bos"), e.special_text("eos"))
     fmt.set_tools(Toolbox(Root(Path.cwd()), lambda r: Decision("deny")).schemas())
     return fmt
-
-
-def _median(xs: list[float]) -> float:
-    return round(statistics.median(xs), 4) if xs else 0.0

@@ -90,7 +90,8 @@ class Chat:
         self.go_on: tools.GoOn | None = None  # asked when a reply reaches max_tool_calls
         self._prefetched = 0  # result tokens evaluated while the user was asked about the calls
         self.prefetch_done = threading.Event()  # the results run ahead are in the KV (or it stopped)
-        self._last_delta: tuple[object, tuple[list[list[int]], list[list[int]], list[int]]] = (None, ([], [], []))
+        self._last_delta: tuple[object, tuple[list[list[int]], list[list[int]], list[list[int]]]] = (
+            None, ([], [], []))
         self.ahead = Ahead(self)  # the work done while the user is not waiting
 
     @property
@@ -150,8 +151,7 @@ class Chat:
         t0 = started if started is not None else time.perf_counter()
         self.prefetch_done.clear()  # set again by the next step's evaluation ahead
         st = TurnStats(turn=self.conv.turns, n_ctx=e.n_ctx)
-        heads, results, tail = self._result_delta(calls, outcomes)
-        bodies = results[:-1] + [results[-1] + tail]  # the last result's message ends with the next prompt
+        heads, results, bodies = self._result_delta(calls, outcomes)
         st.new_tokens = sum(map(len, heads)) + sum(map(len, bodies))
         self._room_for_step(st.new_tokens, st)
         for call, outcome, head, body in zip(calls, outcomes, heads, bodies):
@@ -187,8 +187,7 @@ class Chat:
         """While the user is asked about read-only calls, their results (run ahead) go into the KV, all but
         the last token (which the step evaluates for its logits: no rewind, even under a sliding window).
         Stopped once `stale` (an answer changed a result); skipped where it would need an eviction."""
-        heads, results, tail = self._result_delta(calls, outcomes)
-        bodies = results[:-1] + [results[-1] + tail]
+        heads, _, bodies = self._result_delta(calls, outcomes)
         prompt = self.conv.window_tokens() + [t for h, b in zip(heads, bodies) for t in h + b]
         before = self.engine.n_kv
         try:
@@ -221,9 +220,10 @@ class Chat:
         return self.conv.messages[last_user:]
 
     def _result_delta(self, calls: list[ToolCall], outcomes: list[tools.Outcome]) -> tuple[
-            list[list[int]], list[list[int]], list[int]]:
-        """The results' tokens: the template's text before each (special tokens parsed), each result as
-        plain text (a result is untrusted: it can open or close nothing), the template's text after the last."""
+            list[list[int]], list[list[int]], list[list[int]]]:
+        """The results' tokens: the template's text before each (special tokens parsed); each result as
+        plain text (a result is untrusted: it can open or close nothing); each result message's body, the
+        last ending with the template's text after it (up to the next generation prompt)."""
         assert self.tool_format is not None
         key = (tuple(calls), tuple(o.text for o in outcomes), tuple(self.conv.messages[-1].tokens[-1:]))
         if self._last_delta[0] == key:  # the step after its evaluation ahead: a long result tokenized once
@@ -232,7 +232,7 @@ class Chat:
         texts[0] = self._past_reply(texts[0])
         heads = [self._tok(t) for t in texts[:-1]]
         results = [self._tok(self.result_written(o.text), special=False) for o in outcomes]
-        self._last_delta = (key, (heads, results, self._tok(texts[-1])))
+        self._last_delta = (key, (heads, results, results[:-1] + [results[-1] + self._tok(texts[-1])]))
         return self._last_delta[1]
 
     # ---------------------------------------------------------------- deltas
