@@ -452,3 +452,97 @@ def test_with_tool_choice_required_every_sampled_call_parses_and_fits_its_schema
         if len(found.calls) != 1 or validate(schema, found.calls[0].arguments):
             unparsable.append((seed, kv_text(demo_engine, gen.tokens)))
     assert unparsable == []
+
+
+NOTED = {"Qwen3.5-4B.jinja": "xml", "GLM-4.6.jinja": "glm", "google-gemma-4-31B-it.jinja": "gemma4"}
+# text near each format's own end of a value (which no value can hold: the template could not write it back)
+TRICKY = {"Qwen3.5-4B.jinja": "x </parameter> y\n\n  z\n", "GLM-4.6.jinja": "x </arg_key> <arg_value>\n y",
+          "google-gemma-4-31B-it.jinja": 'x <|"| "|> },y:1 \n z'}
+LOOK = {"type": "object", "required": ["path", "text"], "properties": {  # every type a notation writes its own way
+    "path": {"type": "string", "maxLength": 24}, "text": {"type": "string", "maxLength": 40}, "n": {"type": "integer"},
+    "exact": {"type": "boolean"}, "mode": {"enum": ["fast", "slow"]},
+    "words": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}}}
+
+
+@pytest.mark.parametrize("name", list(NOTED))
+def test_a_call_whose_arguments_are_not_json_is_held_to_its_schema_and_written_as_the_template_writes_it(
+        demo_engine, official_dir, name):
+    from localchat.chatformat.templates import ChatFormat
+    from localchat.chatformat.toolcalls import ToolFormat, tool_schema
+    from localchat.engine import Generation, SamplingConfig
+    from localchat.tools.builtin import validate
+    schema = tool_schema("look", "Look at a file.", LOOK)
+    fmt = ChatFormat((official_dir / name).read_text(), demo_engine.special_text("bos"),
+                     demo_engine.special_text("eos"))
+    fmt.set_tools([schema])
+    found_format = ToolFormat(fmt)
+    assert found_format.kind == NOTED[name]
+    gbnf = found_format.grammar([schema])
+    assert gbnf is not None, name
+    prompt = demo_engine.tokenize(fmt.render([{"role": "user", "content": "Look at notes.txt"}], True), True)
+    wrong = []
+    for seed in range(15):  # sampled for real, under the grammar from the call's opening
+        demo_engine.clear()
+        demo_engine.prefill(prompt)
+        gen = Generation(tokens=[])
+        for _ in demo_engine.generate(demo_engine.make_sampler(SamplingConfig(temperature=1.0, seed=seed), gbnf),
+                                      400, gen):
+            pass
+        text = kv_text(demo_engine, gen.tokens)
+        calls = found_format.find(text, [schema]).calls
+        rendered = found_format.call_text(calls) if len(calls) == 1 else ""
+        rendered = rendered[rendered.find(found_format.opening):]
+        rest = text[len(rendered):] if rendered and text.startswith(rendered) else text
+        # one call, valid by its schema, and the text the template renders for it: the KV needs no rewrite
+        if len(calls) != 1 or validate(schema, calls[0].arguments) or len(demo_engine.tokenize(rest, True)) > 1:
+            wrong.append((seed, text))
+    assert wrong == [], name
+
+
+def grammar_takes(engine, gbnf: str, text: str) -> bool:
+    """Whether llama.cpp's grammar sampler lets `text` be written, token by token, and then the reply end."""
+    import ctypes
+
+    import llama_cpp as lc
+
+    from localchat.engine.grammar import grammar_sampler
+    grammar = grammar_sampler(engine.vocab, gbnf)
+    one = (lc.llama_token_data * 1)()
+    eog = next(t for t in range(64) if engine.is_eog(t))
+    try:
+        for tok in [*engine.tokenize(text, True), eog]:
+            one[0] = lc.llama_token_data(tok, 0.0, 0.0)
+            lc.llama_sampler_apply(grammar, ctypes.byref(lc.llama_token_data_array(one, 1, -1, False)))
+            if one[0].logit == float("-inf"):
+                return False
+            if tok != eog:
+                lc.llama_sampler_accept(grammar, tok)
+        return True
+    finally:
+        lc.llama_sampler_free(grammar)
+
+
+@pytest.mark.parametrize("name", list(NOTED))
+def test_the_grammar_takes_every_call_the_template_writes_and_no_call_its_schema_refuses(demo_engine, official_dir,
+                                                                                         name):
+    from localchat.chatformat.templates import ChatFormat
+    from localchat.chatformat.toolcalls import ToolFormat, tool_schema
+    params = {**LOOK, "properties": {**LOOK["properties"], "text": {"type": "string"}}}  # unbounded: up to its end
+    schema = tool_schema("look", "Look at a file.", params)
+    fmt = ChatFormat((official_dir / name).read_text(), demo_engine.special_text("bos"),
+                     demo_engine.special_text("eos"))
+    fmt.set_tools([schema])
+    found_format = ToolFormat(fmt)
+    gbnf = found_format.grammar([schema])
+
+    def written(arguments: dict) -> str:
+        text = found_format.call_text([ToolCall("look", arguments)])
+        return text[text.find(found_format.opening):]
+    tricky = {"path": "a/b c.txt", "text": TRICKY[name], "n": -12, "exact": False,
+              "mode": "slow", "words": ["one", "two"]}
+    assert grammar_takes(demo_engine, gbnf, written(tricky)), name
+    assert grammar_takes(demo_engine, gbnf, written({"path": "p", "text": ""})), name
+    assert found_format.find(written(tricky), [schema]).calls == [ToolCall("look", tricky)], name
+    for refused in ({"path": "p"}, {"path": "p", "text": "t", "mode": "medium"}, {"path": "p", "text": "t", "n": 1.5},
+                    {"path": "p", "text": "t", "words": ["a", "b", "c", "d"]}, {"path": "x" * 30, "text": "t"}):
+        assert not grammar_takes(demo_engine, gbnf, written(refused)), (name, refused)

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from localchat.chatformat.templates import REPLY_SENTINEL, USER_SENTINEL, ChatFormat
-from localchat.chatformat.toolgrammar import call_grammar
+from localchat.chatformat.toolgrammar import NotWritable, call_grammar
+from localchat.chatformat.toolnotation import Notation, derive
 from localchat.errors import TemplateFailure
 
 RESULT_SENTINEL = "LocalchatResultSentinel5d2e"
@@ -133,6 +134,10 @@ class ToolFormat:
         self._close = ""  # what the model writes after a call's last argument
         self._probe_text = ""  # the probe call as the model writes it, from where its thoughts end
         self._after: dict[int, str | None] = {}  # the template's text after n probe calls (None: it takes fewer)
+        self._asked = ""  # the generation prompt after a user's message
+        self._notation: tuple[str, str, Notation] | None = None
+        self._notation_derived = False
+        self._types: dict[str, dict[str, Any]] = {}  # the offered tools' parameter schemas, by tool
         try:
             self._derive()
         except TemplateFailure as exc:
@@ -149,7 +154,7 @@ class ToolFormat:
                 *({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": r} for c, r in zip(calls, results))]
 
     def _derive(self) -> None:
-        asked = self._render([{"role": "user", "content": "Hi"}])
+        asked = self._asked = self._render([{"role": "user", "content": "Hi"}])
         if _name(0) not in asked:
             self.reason = "its chat template does not take tools"
             return
@@ -306,7 +311,7 @@ class ToolFormat:
 
     def _pieces(self) -> list[tuple[str, str]]:
         """The probe call's text from its opening, cut at its holes: [(literal text, the hole after it)]."""
-        text = self._probe_text[self._probe_text.find(self.opening):] if self.opening else self._probe_text
+        text = self._from_opening(self._probe_text)
         holes = {f'"{_name(0)}"' if self.kind == "json" else _name(0): "name-json" if self.kind == "json" else "name",
                  json.dumps({"city": _value(0)}): "args", _id(0): "id"}
         found = sorted((text.find(h), h) for h in holes if h in text)
@@ -316,23 +321,66 @@ class ToolFormat:
             at = pos + len(hole)
         return [*pieces, (text[at:], "")]
 
-    def grammar(self, tools: list[dict[str, Any]]) -> str | None:
-        """The GBNF grammar of one call to one of `tools` in this format (None where the arguments are
-        not JSON: XML parameters, GLM's pairs, Gemma 4's notation)."""
-        if self.kind not in ("json", "name-args"):
+    def _from_opening(self, text: str) -> str:
+        return text[text.find(self.opening):] if self.opening else text
+
+    def _written(self, args: dict[str, Any]) -> str | None:
+        """The probe call with these arguments as the model writes it, from its opening (None: the template
+        does not render it so)."""
+        try:
+            text = self._render(self._exchange([ToolCall(_name(0), args, _id(0))]))
+        except TemplateFailure:
             return None
-        pieces = self._pieces()
-        if "args" not in [hole for _, hole in pieces]:
-            return None  # the arguments are not written as tojson writes them
-        return call_grammar(pieces, tools)
+        after = self._after.get(1) or ""
+        if not after or not text.endswith(after):
+            return None
+        text = text[_model_start(self._asked, text):len(text) - len(after)]
+        return self._from_opening(text[_after_thoughts(text):].lstrip())
+
+    def notation(self) -> tuple[str, str, Notation] | None:
+        """Where the arguments are not JSON: the call's text before and after them and their notation, kept
+        only where it writes a test call of every JSON type exactly as the template does."""
+        if not self._notation_derived:
+            self._notation_derived = True
+            found = derive(self._written, _value(0), _value(1)) if self.kind in ("xml", "glm", "gemma4") else None
+            test: dict[str, Any] = {"path": "a <b>\n c", "n": -3, "x": 1.5, "flag": True, "off": False}
+            if found and found[2].containers:
+                test |= {"items": [1, "a"], "opts": {"k": "v", "b": [True]}}
+            if found and self._written(test) == found[0] + found[2].write(test) + found[1]:
+                self._notation = found
+        return self._notation
+
+    def grammar(self, tools: list[dict[str, Any]]) -> str | None:
+        """The GBNF grammar of one call to one of `tools` in this format (None where its arguments are
+        written in a way no notation found reproduces)."""
+        if self.kind in ("json", "name-args"):
+            pieces = self._pieces()
+            if "args" not in [hole for _, hole in pieces]:
+                return None  # the arguments are not written as tojson writes them
+            return call_grammar(pieces, tools)
+        found = self.notation()
+        if found is None:
+            return None
+        before, after, notation = found
+        at = before.find(_name(0))
+        if at < 0:
+            return None
+        try:
+            return call_grammar([(before[:at], "name"), (before[at + len(_name(0)):], "args"), (after, "")], tools,
+                                notation)
+        except NotWritable:
+            return None
 
     def result_as_written(self, result: str) -> str:
         """A result's text as the template writes it (inside a JSON string where it escapes results)."""
         return json.dumps(result, ensure_ascii=False)[1:-1] if self.escapes_results else result
 
     # ------------------------------------------------------------ parsing
-    def find(self, raw: str) -> Found:
-        """The calls in a reply's raw text (special tokens written out), thoughts included."""
+    def find(self, raw: str, tools: list[dict[str, Any]] | None = None) -> Found:
+        """The calls in a reply's raw text (special tokens written out), thoughts included; a value written
+        as text (XML, GLM) is read by its type in `tools`' schemas."""
+        self._types = {t["function"]["name"]: t["function"].get("parameters", {}).get("properties", {})
+                       for t in tools or []}
         if not self.kind:
             return Found(raw)
         at = self._first_call(raw)
@@ -392,15 +440,18 @@ class ToolFormat:
     def _parse_xml(self, text: str) -> list[ToolCall]:
         calls = []
         for m in re.finditer(r"<function=([^>\s]+)>(.*?)</function>", text, re.S):
-            params = re.findall(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", m.group(2), re.S)
-            calls.append(ToolCall(m.group(1), {k: _loose_value(v) for k, v in params}))
+            exact = re.findall(r"<parameter=([^>\s]+)>\n(.*?)\n</parameter>", m.group(2), re.S)  # as written
+            loose = re.findall(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", m.group(2), re.S)
+            params = exact if len(exact) >= len(loose) else loose
+            calls.append(ToolCall(m.group(1), {k: self._typed(m.group(1), k, v) for k, v in params}))
         return calls
 
     def _parse_glm(self, text: str) -> list[ToolCall]:
         calls = []
         for m in re.finditer(re.escape(self.opening) + r"([^\n<]+)\n?(.*?)</tool_call>", text, re.S):
             pairs = re.findall(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", m.group(2), re.S)
-            calls.append(ToolCall(m.group(1).strip(), {k: _loose_value(v) for k, v in pairs}))
+            name = m.group(1).strip()
+            calls.append(ToolCall(name, {k: self._typed(name, k, v) for k, v in pairs}))
         return calls
 
     def _parse_gemma4(self, text: str) -> list[ToolCall]:
@@ -411,8 +462,19 @@ class ToolFormat:
         return calls
 
 
+    def _typed(self, tool: str, key: str, text: str) -> Any:
+        """A parameter written as text, read as its schema's type says (text where the schema says string)."""
+        kind = self._types.get(tool, {}).get(key, {})
+        return text if isinstance(kind, dict) and kind.get("type") == "string" else _loose_value(text)
+
+
+_WORDS = {"True": True, "False": False, "None": None}  # as a template writes Python's values with `string`
+
+
 def _loose_value(text: str) -> Any:
     """A parameter written as text: a JSON number, boolean, list or object where it is one, else the text."""
+    if text in _WORDS:
+        return _WORDS[text]
     try:
         value = json.loads(text)
     except ValueError:
@@ -445,4 +507,5 @@ def _gemma_value(text: str, i: int) -> tuple[Any, int]:
     m = re.compile(r"[^,}\]]+").match(text, i)
     if m is None:
         raise ValueError("unexpected end of the arguments")
-    return json.loads(m.group(0)), m.end()
+    word = m.group(0).strip()
+    return (_WORDS[word] if word in _WORDS else json.loads(word)), m.end()

@@ -1,19 +1,21 @@
 """A GBNF grammar (llama.cpp's) for one tool call in the template's own form: the template's literal text
 around the call, one alternative per tool (its name, its arguments by its JSON schema), written with the
-separators `tojson` writes (", " and ": "), so a constrained call is the text the template renders and
-the KV needs no rewrite after it."""
+separators `tojson` writes (", " and ": ") or in the format's own notation (XML parameters, GLM's pairs,
+Gemma 4's), so a constrained call is the text the template renders and the KV needs no rewrite after it."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from localchat.chatformat.toolnotation import Notation
+
 _CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} )'
 _STRING = rf'"\"" ( {_CHAR} )* "\""'
 _BASE = {
     "string": _STRING,
-    "integer": '"-"? [0-9]{1,15}',
-    "number": '"-"? [0-9]{1,15} ( "." [0-9]{1,15} )? ( [eE] [-+]? [0-9]{1,3} )?',
+    "integer": '"-"? ( "0" | [1-9] [0-9]{0,14} )',  # no leading zeros: JSON has none
+    "number": '"-"? ( "0" | [1-9] [0-9]{0,14} ) ( "." [0-9]{1,15} )? ( [eE] [-+]? [0-9]{1,3} )?',
     "boolean": '"true" | "false"',
     "null": '"null"',
 }
@@ -35,6 +37,7 @@ class Rules:
 
     def __init__(self) -> None:
         self.rules: dict[str, str] = {}
+        self.ends: dict[str, str] = {}  # the rule of each text a value runs up to
 
     def add(self, name: str, body: str) -> str:
         self.rules.setdefault(name, body)
@@ -51,7 +54,7 @@ class Rules:
             return self._object(schema, name)
         if kind == "array":
             item = self.value(schema.get("items"), f"{name}-item")
-            return self.add(name, f'"[" ( {item} ( ", " {item} )* )? "]"')
+            return self.add(name, f'"[" ( {item} ( ", " {item} ){_more(schema)} )? "]"')
         if kind == "string" and isinstance(schema.get("maxLength"), int):
             char = self.add("char", _CHAR)
             return self.add(name, f'"\\"" {char}{{0,{schema["maxLength"]}}} "\\""')
@@ -68,36 +71,152 @@ class Rules:
         """Required properties in their order, then any of the optional ones, in theirs."""
         props: dict[str, Any] = schema["properties"]
         required = [k for k in props if k in schema.get("required", [])]
-        optional = [k for k in props if k not in required]
-        pair = {k: f'{literal(json.dumps(k, ensure_ascii=False) + ": ")} {self.value(v, f"{name}-{_safe(k)}")}'
-                for k, v in props.items()}
-        tail = ""
-        for i in range(len(optional) - 1, -1, -1):  # any subset of the optional ones, in order
-            rest = f' ( ", " {tail} )?' if tail else ""
-            tail = self.add(f"{name}-opt{i}", f'{pair[optional[i]]}{rest}' + (f" | {tail}" if tail else ""))
-        if required:
-            body = ' ", " '.join(pair[k] for k in required) + (f' ( ", " {tail} )?' if tail else "")
-        else:
-            body = f"( {tail} )?" if tail else ""
-        return self.add(name, f'"{{" {body} "}}"')
+        order = required + [k for k in props if k not in required]
+        pairs = [(f'{literal(json.dumps(k, ensure_ascii=False) + ": ")} {self.value(props[k], _part(name, props, k))}',
+                  k in required) for k in order]
+        return self.add(name, f'"{{" {self.sequence(pairs, ", ", name)} "}}"')
+
+    def sequence(self, items: list[tuple[str, bool]], separator: str, name: str) -> str:
+        """The items (rule text, required) in their order, each optional one there or not, `separator`
+        between those there: one rule per item and whether one came before it."""
+        sep = f"{literal(separator)} " if separator else ""
+        after: dict[bool, str] = {False: "", True: ""}  # the rest, from the item after this one
+        for i in range(len(items) - 1, -1, -1):
+            item, required = items[i]
+            now = {}
+            for before in (False, True):
+                taken = f"{sep if before else ''}{item} {after[True]}".strip()
+                if required:
+                    body = taken
+                elif after[before]:
+                    body = f"( {taken} ) | {after[before]}"
+                else:
+                    body = f"( {taken} )?"
+                now[before] = self.add(f"{name}-q{i}{'b' if before else ''}", body)
+            after = now
+        return after[False] or '""'
+
+    # ------------------------------------------------------------ a format's own notation
+    def until(self, end: str) -> str:
+        """Any text without `end` in it, then `end` (a rule per state of matching it, as a KMP automaton)."""
+        if end in self.ends:
+            return self.ends[end]
+        base = self.ends[end] = f"until{len(self.ends)}"
+        fail = [0] * len(end)
+        for i in range(1, len(end)):
+            k = fail[i - 1]
+            while k and end[i] != end[k]:
+                k = fail[k - 1]
+            fail[i] = k + (end[i] == end[k])
+
+        def step(k: int, c: str) -> int:
+            while k and end[k] != c:
+                k = fail[k - 1]
+            return k + (end[k] == c)
+
+        for k in range(len(end)):
+            onward = {c: step(k, c) for c in sorted(set(end))}
+            onward = {c: j for c, j in onward.items() if j}  # every other character starts over
+            alternatives = [literal(c) if j == len(end) else f"{literal(c)} {base}-{j}" for c, j in onward.items()]
+            others = f"[^{''.join(_class_char(c) for c in onward)}] {base}" if onward else f"[^\\x00] {base}"
+            self.add(base if k == 0 else f"{base}-{k}", " | ".join([*alternatives, others]))
+        return base
+
+    def args(self, schema: Any, name: str, notation: Notation) -> str:
+        """A call's arguments in `notation`: each property as key, value and close, in its order."""
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        if not isinstance(props, dict):
+            raise NotWritable("arguments without properties")
+        required = [k for k in props if k in schema.get("required", [])]
+        order = sorted(props) if notation.sorted_keys else required + [k for k in props if k not in required]
+        pairs = [(f"{literal(notation.key_open + k + notation.key_close)} "
+                  f"{self._closed(props[k], _part(name, props, k), notation)}", k in required) for k in order]
+        return self.add(name, self.sequence(pairs, notation.separator, name))
+
+    def _closed(self, schema: Any, name: str, notation: Notation) -> str:
+        """An argument's value and the text that closes it (a bare string: any text up to that)."""
+        close, schema = notation.arg_close, schema if isinstance(schema, dict) else {}
+        if notation.quote == ("", "") and schema.get("type") in ("string", None) and "enum" not in schema:
+            if not close:
+                raise NotWritable("a bare string with nothing after it")
+            most = schema.get("maxLength")
+            end = close[:close.find(">") + 1] or close  # up to the marker that ends the value, as it is read
+            if isinstance(most, int):
+                return f"[^{_class_char(close[0])}]{{0,{most}}} {literal(close)}"
+            return f"{self.until(end)} {literal(close[len(end):])}" if close != end else self.until(end)
+        return f"{self.noted(schema, name, notation)} {literal(close)}" if close else self.noted(schema, name, notation)
+
+    def noted(self, schema: Any, name: str, notation: Notation) -> str:
+        """The rule for a value of `schema` in `notation`."""
+        if not isinstance(schema, dict):
+            schema = {}
+        if "enum" in schema:
+            return self.add(name, " | ".join(literal(notation.value(v)) for v in schema["enum"]))
+        kind = schema.get("type")
+        if kind == "string":
+            return self._quoted(schema, name, notation)
+        if kind == "boolean":
+            return self.add(name, f"{literal(notation.words[True])} | {literal(notation.words[False])}")
+        if kind == "null" and None in notation.words:
+            return self.add(name, literal(notation.words[None]))
+        if kind in ("integer", "number"):
+            return self.add(name, _BASE[kind])
+        if notation.containers == "json" and kind in ("array", "object"):
+            return self.value(schema, name)
+        if notation.containers == "own" and kind == "array":
+            item = self.noted(schema.get("items"), f"{name}-item", notation)
+            return self.add(name, f'"[" ( {item} ( "," {item} ){_more(schema)} )? "]"')
+        if notation.containers == "own" and kind == "object" and isinstance(schema.get("properties"), dict):
+            props = schema["properties"]
+            pairs = [(f"{literal(k + ':')} {self.noted(props[k], _part(name, props, k), notation)}",
+                      k in schema.get("required", [])) for k in sorted(props)]
+            return self.add(name, f'"{{" {self.sequence(pairs, ",", name)} "}}"')
+        raise NotWritable(f"a value of type {kind or 'any'} in this format")
+
+    def _quoted(self, schema: dict[str, Any], name: str, notation: Notation) -> str:
+        opening, closing = notation.quote
+        if not closing:
+            raise NotWritable("a bare string inside a value")
+        most = schema.get("maxLength")
+        if isinstance(most, int):
+            return self.add(name, f"{literal(opening)} [^{_class_char(closing[0])}]{{0,{most}}} {literal(closing)}")
+        return self.add(name, f"{literal(opening)} {self.until(closing)}")
 
     def text(self) -> str:
         return "\n".join(f"{k} ::= {v}" for k, v in self.rules.items()) + "\n"
 
 
-def _safe(key: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in key) or "k"
+class NotWritable(ValueError):
+    """A schema the format's notation has no grammar for (the call is then parsed, not constrained)."""
 
 
-def call_grammar(pieces: list[tuple[str, str]], tools: list[dict[str, Any]]) -> str:
+def _class_char(c: str) -> str:
+    """`c` inside a GBNF character class."""
+    return {"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(c) or ("\\" + c if c in "\\]^-[" else c)
+
+
+def _more(schema: dict[str, Any]) -> str:
+    """How many more items an array may have after its first."""
+    most = schema.get("maxItems")
+    return f"{{0,{most - 1}}}" if isinstance(most, int) and most >= 1 else "*"
+
+
+def _part(name: str, props: dict[str, Any], key: str) -> str:
+    """The rule name of a property's value: by its place, so no two keys share one."""
+    return f"{name}-p{list(props).index(key)}"
+
+
+def call_grammar(pieces: list[tuple[str, str]], tools: list[dict[str, Any]], notation: Notation | None = None) -> str:
     """The grammar of one call: `pieces` is the call's text cut at its holes, [(literal, hole)], hole one
     of "name", "name-json" (the name as a JSON string), "args", "id" or "" (the end); one alternative per
-    tool. The root starts where the call opens."""
+    tool; the arguments as JSON, or in `notation` (NotWritable where it cannot write a tool's schema).
+    The root starts where the call opens."""
     rules = Rules()
     alternatives = []
     for i, tool in enumerate(tools):
         fn = tool["function"]
-        args = rules.value(fn.get("parameters", {}), f"args{i}")
+        params = fn.get("parameters", {})
+        args = rules.args(params, f"args{i}", notation) if notation else rules.value(params, f"args{i}")
         parts = []
         for text, hole in pieces:
             parts.append(literal(text))
