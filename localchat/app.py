@@ -9,13 +9,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from localchat import runtime
+from localchat import paths, runtime
 from localchat.chat import attaching
 from localchat.chat.stats import TurnStats
+from localchat.chat.turns import Chat
 from localchat.errors import ProfileError
 from localchat.session import lifecycle
-from localchat.tools.builtin import Toolbox, advance_problem
+from localchat.settings import Profile
+from localchat.tools import mcpconfig
+from localchat.tools.builtin import READ_ONLY, SIDE_EFFECTS, Toolbox, advance_problem
+from localchat.tools.mcp import Hub
 from localchat.tools.rooted import Root
+from localchat.tools.toolset import ListCache, ToolSet, full_name
 from localchat.ui import approval, status
 
 
@@ -28,15 +33,51 @@ def _report(text: str) -> None:
         pass  # the terminal closed with its window: what is saved does not depend on being told
 
 
-def _offer_tools(rt: runtime.Runtime, asking: approval.Asking | None) -> None:
-    """The built-in tools, rooted at the working directory: the terminal UI asks about each call not
-    approved in advance; line mode denies it."""
+def _offer_tools(rt: runtime.Runtime, asking: approval.Asking | None, hub: Hub | None) -> None:
+    """The built-in tools (with --tools), rooted at the working directory, and the MCP servers' tools:
+    the terminal UI asks about each call not approved in advance; line mode denies it."""
     p = rt.profile
     approve = asking.approve if asking is not None else approval.pre_approved_only(_report)
     box = Toolbox(Root(Path.cwd()), approve, allowed=set(p.allow_tools), timeout=p.tool_timeout, report=_report,
-                  ahead=asking is not None)
-    rt.chat.enable_tools(box, p.max_tool_calls, rt.model.path.name, p.tool_choice)
+                  ahead=asking is not None, offered=READ_ONLY + SIDE_EFFECTS if p.tools else ())
+    tools = ToolSet(box, hub, p.mcp_timeout, ListCache(paths.home() / "mcp-tools.json"))
+    for line in tools.notices:
+        _report(f"localchat: {line}")
+    rt.chat.enable_tools(tools, p.max_tool_calls, rt.model.path.name, p.tool_choice)
     rt.chat.go_on = asking.go_on if asking is not None else _budget_spent(p.max_tool_calls)
+    _report(f"localchat: tools: {tool_cost_line(rt.chat, tools)}")
+
+
+def tool_cost_line(chat: Chat, tools: ToolSet) -> str:
+    """What the tool list costs of the context, in all and by where its tools come from (as attachments
+    show theirs); ProfileError with the arithmetic where it would not leave room for the conversation."""
+    (total, prefix), n_ctx = chat.tool_list_tokens(), chat.engine.n_ctx
+    if prefix > n_ctx // 2:
+        raise ProfileError(f"the tool list takes {total:,} tokens: with the system prompt the prefix is {prefix:,} "
+                           f"of the {n_ctx:,}-token context, more than half, which leaves too little for the "
+                           "conversation; offer fewer tools (a server's \"tools\" key, fewer --mcp) or pass a larger "
+                           "--ctx")
+    groups: dict[str, int] = {}
+    for schema in tools.schemas():
+        where = tools.server_of(schema["function"]["name"]) or "built-in"
+        groups[where] = groups.get(where, 0) + len(chat.engine.tokenize(json.dumps(schema), False))
+    shown = ", ".join(f"{where} ~{n:,}" for where, n in groups.items())
+    return f"{len(tools.schemas())} offered, the list {total:,} tokens of the {n_ctx:,}-token context ({shown})"
+
+
+def _start_servers(profile: Profile) -> Hub | None:
+    """The profile's MCP servers, started in the background now (the model loads meanwhile)."""
+    if not profile.mcp:
+        return None
+    specs = mcpconfig.load()
+    if not specs:
+        raise ProfileError(f"mcp: no MCP servers are configured: write {paths.config_dir() / 'mcp.json'} "
+                           "(the \"mcpServers\" shape other clients use)")
+    unknown = [n for n in profile.mcp if n not in specs]
+    if unknown:
+        raise ProfileError(f"mcp: no server {unknown[0]!r} in {mcpconfig.config_path()} "
+                           f"(configured: {', '.join(specs)})")
+    return Hub([specs[n] for n in dict.fromkeys(profile.mcp)], paths.home() / "mcp-logs")
 
 
 def _budget_spent(most: int) -> Callable[[int, int], bool]:
@@ -49,8 +90,18 @@ def _budget_spent(most: int) -> Callable[[int, int], bool]:
 
 def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     profile = runtime.load_profile(args.profile, overrides)
-    if profile.tools and (problem := advance_problem(profile.allow_tools)):
+    builtin = tuple(n for n in profile.allow_tools if not any(n.startswith(full_name(s, "")) for s in profile.mcp))
+    if (profile.tools or profile.mcp) and (problem := advance_problem(builtin)):
         raise ProfileError(f"{profile.source}: {problem}")
+    hub = _start_servers(profile)
+    try:
+        return _chat(args, profile, hub)
+    finally:
+        if hub is not None:
+            hub.close()  # every server and its children, whatever ended the chat
+
+
+def _chat(args: argparse.Namespace, profile: Profile, hub: Hub | None) -> int:
     rt = runtime.open_runtime(profile, _report, verbose=args.verbose, explicit_ctx=args.n_ctx is not None)
     try:
         if rt.gpu_warning:
@@ -59,10 +110,10 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             _report("localchat: this model's template has no system role: the system prompt goes into the "
                     "first user message (as llama.cpp and Ollama do)")
         interactive = sys.stdin.isatty() and sys.stdout.isatty()
-        offered = profile.tools and profile.tool_choice != "none"
+        offered = (profile.tools or hub is not None) and profile.tool_choice != "none"
         asking = approval.Asking() if interactive and offered else None
         if offered:
-            _offer_tools(rt, asking)
+            _offer_tools(rt, asking, hub)
         # the terminal UI works ahead while the user reads and types; line mode has no such time
         ctl = lifecycle.Session.open(rt, args, _report, background=interactive)
         for line in attaching.add(rt.chat, args.attach) if args.attach else []:

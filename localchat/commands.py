@@ -1,4 +1,4 @@
-"""The subcommands besides the chat: models, plan, sessions, cache, profiles, bench."""
+"""The subcommands besides the chat: models, plan, sessions, cache, profiles, mcp, bench."""
 
 from __future__ import annotations
 
@@ -317,7 +317,56 @@ def cmd_bench(argv: Sequence[str]) -> int:
     return command.main(argv)
 
 
+def cmd_mcp(argv: Sequence[str]) -> int:
+    """mcp list|check [NAME]: start each configured server, list its tools with what their schemas cost
+    in tokens of the profile's model, stop it."""
+    from localchat.engine.vocab import Tokenizer
+    from localchat.paths import config_dir, home
+    from localchat.tools import mcpconfig
+    from localchat.tools.mcp import Hub
+    p = argparse.ArgumentParser(prog="localchat mcp")
+    p.add_argument("action", choices=("list", "check"))
+    p.add_argument("name", nargs="?", help="one server (default: all)")
+    profile_args(p)
+    args = p.parse_args(argv)
+    specs = mcpconfig.load()
+    if not specs:
+        raise ProfileError(f"no MCP servers are configured: write {config_dir() / 'mcp.json'}")
+    if args.name and args.name not in specs:
+        raise ProfileError(f"no server {args.name!r} in {mcpconfig.config_path()} (configured: {', '.join(specs)})")
+    profile = runtime.load_profile(args.profile, overrides(args))
+    tokenizer = Tokenizer(str(runtime.resolve_model(profile, _report).path))
+    hub = Hub([specs[n] for n in ([args.name] if args.name else specs)], home() / "mcp-logs")
+    try:
+        hub.wait()
+        failed = 0
+        for name, server in hub.servers.items():
+            failed += not server.state.startswith("ready")
+            for line in _server_lines(name, server, tokenizer, args.action == "check"):
+                _out(line)
+    finally:
+        hub.close()
+        tokenizer.close()
+    return 2 if failed else 0
+
+
+def _server_lines(name: str, server: Any, tokenizer: Any, whole: bool) -> list[str]:
+    from localchat.tools.toolset import full_name
+    took = f", up in {server.up_s:.2f} s" if whole and server.up_s else ""
+    lines = [f"{name} ({server.spec.transport}: {server.spec.where()}): {server.state}{took}"]
+    for tool in server.tools:
+        schema = {"name": full_name(name, tool.name), "description": tool.description, "parameters": tool.schema}
+        cost = len(tokenizer.tokenize(json.dumps(schema), False))
+        offered = server.spec.tools is None or tool.name in server.spec.tools
+        lines.append(f"  {full_name(name, tool.name):<32} {cost:>6,} tok  {'' if offered else '(not offered) '}"
+                     f"{tool.description.splitlines()[0][:60] if tool.description else ''}")
+        if whole:
+            lines.append(f"    {json.dumps(tool.schema)}")
+    lines += [f"  resource {uri} ({title})" for uri, title in server.resources]
+    return lines
+
+
 def run(name: str, argv: Sequence[str]) -> int:
     return {"models": cmd_models, "plan": cmd_plan, "sessions": cmd_sessions, "bench": cmd_bench,
-            "profiles": cmd_profiles, "cache": cmd_cache}[name](argv)
+            "profiles": cmd_profiles, "cache": cmd_cache, "mcp": cmd_mcp}[name](argv)
 

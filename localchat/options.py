@@ -51,7 +51,7 @@ def _add(p: argparse.ArgumentParser, key: str, r: Rule) -> None:
         if kw["type"] is _int_or_auto:
             kw["metavar"] = "N|auto"
         elif kw["type"] is _servers:
-            kw["metavar"] = "HOST:PORT[,...]"
+            kw["metavar"] = "HOST:PORT[,...]" if key == "rpc_servers" else "NAME[,...]"
     p.add_argument(*names, **kw)
 
 

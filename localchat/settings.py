@@ -153,7 +153,7 @@ class Profile:
     allow_tools: tuple[str, ...] = setting(
         (), "a list of tool names", lambda v: len(v) <= 64 and all(isinstance(x, str) for x in v),
         flag="--allow-tool", chat_only=True,
-        help="read-only tools that run without asking (line mode runs only these)")
+        help="tools that run without asking: read-only built-in ones, MCP tools by name (line mode runs only these)")
     tool_choice: str = setting("auto", choices=TOOL_CHOICE, flag="--tool-choice", chat_only=True,
                                help="auto: the model calls a tool or answers; required: each turn's first reply is a "
                                     "call; none: no tools are offered (a call's arguments follow the tool's schema)")
@@ -161,6 +161,14 @@ class Profile:
                                   help="calls one reply may make before you are asked whether to go on")
     tool_timeout: float = setting(60.0, "a number of seconds, above 0", lambda v: 0 < v <= 86400,
                                   help="seconds a tool call may run before it is stopped")
+    mcp: tuple[str, ...] = setting(
+        (), "a list of server names", lambda v: len(v) <= 64 and all(isinstance(x, str) for x in v),
+        flag="--mcp", chat_only=True,
+        help="MCP servers of $LOCALCHAT_HOME/mcp.json whose tools the chat offers (named server_tool; each call "
+             "asked about unless in allow_tools)")
+    mcp_timeout: float = setting(60.0, "a number of seconds, above 0", lambda v: 0 < v <= 86400,
+                                 help="seconds an MCP tool call may take before it is cancelled (a server's own "
+                                      "\"timeout\" key wins)")
     history: str = setting("official", choices=HISTORY, flag="--history", chat_only=True,
                            help="official: earlier turns converge to the chat template's own form while you read; "
                                 "as-sampled: kept as the model wrote them")

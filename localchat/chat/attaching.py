@@ -3,11 +3,14 @@ added; a file that cannot fit is refused with that arithmetic and how much of it
 
 from __future__ import annotations
 
-from localchat.chat.documents import Document, attach
+import hashlib
+
+from localchat.chat.documents import Document, attach, frame
 from localchat.chat.turns import Chat
 from localchat.errors import DocumentError
 
 QUESTION_ROOM = 64  # tokens kept for the words that go with the documents
+MCP_SCHEME = "mcp:"  # /attach mcp:SERVER/URI: a resource of one of the chat's MCP servers
 
 
 def _kept(chat: Chat) -> int:
@@ -27,7 +30,8 @@ def room(chat: Chat) -> tuple[int, int]:
 def add(chat: Chat, specs: list[str]) -> list[str]:
     """Attach the files the paths name to the next message; one line per file (or skip) for the user.
     DocumentError for a path that cannot be read or a file that cannot fit (nothing is attached then)."""
-    docs, notes = attach(specs)
+    docs, notes = attach([s for s in specs if not s.startswith(MCP_SCHEME)])
+    docs += [_resource(chat, s[len(MCP_SCHEME):]) for s in specs if s.startswith(MCP_SCHEME)]
     e = chat.engine
     for d in docs:
         d.tokens = e.tokenize(d.block, special=False)
@@ -42,6 +46,22 @@ def add(chat: Chat, specs: list[str]) -> list[str]:
     left = f"{max(free_now, 0):,} of {e.n_ctx:,} tokens left" if free_now >= 0 else \
         f"{-free_now:,} tokens of older turns will leave the window"
     return lines + notes + [f"{left}; sent with your next message (/docs lists them)"]
+
+
+def _resource(chat: Chat, where: str) -> Document:
+    """An MCP server's resource (`mcp:SERVER/URI`) as a document, framed like a file."""
+    server, _, uri = where.partition("/")
+    resource = getattr(chat.runner, "resource", None)
+    if not server or not uri:
+        raise DocumentError(f"{MCP_SCHEME}{where}: name a server and a resource ({MCP_SCHEME}SERVER/URI)")
+    if resource is None:
+        raise DocumentError(f"{MCP_SCHEME}{where}: this chat has no MCP servers (--mcp NAME chooses them)")
+    try:
+        text = resource(server, uri)
+    except ValueError as exc:
+        raise DocumentError(f"{MCP_SCHEME}{where}: {exc}") from None
+    name = f"{MCP_SCHEME}{where}"
+    return Document(name, frame(name, text), hashlib.sha256(text.encode()).hexdigest())
 
 
 def _refuse(chat: Chat, docs: list[Document], most: int) -> None:

@@ -85,6 +85,7 @@ class Chat:
         self.read_ahead = settings.read_ahead
         self.reasoning_style = reasoning.detect(fmt.source)  # think tags, channels, or "" (none)
         self.runner: tools.ToolRunner | None = None  # the tools offered (None: none)
+        self._offered_as: tuple[str, str, bool] = ("", "auto", True)  # the model named, tool_choice, grammar
         self.tool_format: ToolFormat | None = None
         self.max_tool_calls = 10
         self.go_on: tools.GoOn | None = None  # asked when a reply reaches max_tool_calls
@@ -110,14 +111,15 @@ class Chat:
         """Offer the runner's tools: the template renders their list in the system prefix; ToolsUnsupported
         (naming `model`) when the template takes no tools. With `grammar`, a call's arguments are
         constrained by the tools' schemas from its opening on (`choice` required: the turn's first reply
-        is a call), where the format writes its arguments as JSON."""
+        is a call), in the format's own form (JSON, or its own notation where it has one)."""
         self.fmt.set_tools(runner.schemas())
         found = ToolFormat(self.fmt)
         if not found.kind:
             self.fmt.set_tools([])
             raise ToolsUnsupported(f"{model} cannot call tools: {found.reason}")
         self.runner, self.tool_format, self.max_tool_calls = runner, found, max_calls
-        gbnf = found.grammar(runner.schemas()) if grammar else None
+        self._offered_as = (model, choice, grammar)
+        gbnf = found.grammar(runner.schemas()) if grammar and runner.schemas() else None
         try:
             if gbnf:
                 lazy = self.engine.make_sampler(self.settings.sampling, gbnf, (found.trigger,))
@@ -128,6 +130,17 @@ class Chat:
             self._first_sampler = None  # a schema llama.cpp's grammar cannot take: calls are parsed, not held
         if self.conv.prefix:
             self.set_system(self.conv.system, cause="the tool list changed")
+
+    def tool_list_tokens(self) -> tuple[int, int]:
+        """(the tokens the tool list adds to the system prefix, the whole prefix's), as the template renders it."""
+        offered = self.fmt.tools
+        self.fmt.set_tools([])
+        try:
+            bare = len(self._prefix_tokens())
+        finally:
+            self.fmt.set_tools(offered)
+        prefix = len(self._prefix_tokens())
+        return prefix - bare, prefix
 
     def result_written(self, text: str) -> str:
         return self.tool_format.result_as_written(text) if self.tool_format else text
@@ -283,6 +296,8 @@ class Chat:
     def prepare(self) -> None:
         """Before a turn's tokens are laid out: the system prefix if there is none yet, then the history's
         form and the next head, if the idle work has not planned them (a message sent at once)."""
+        if self.runner is not None and self.runner.refreshed():  # a server listed other tools than last time
+            self.enable_tools(self.runner, self.max_tool_calls, *self._offered_as)
         if not self.conv.prefix:
             self.set_system(self.conv.system, cause="")
         if not self.ahead.planned:
@@ -426,7 +441,8 @@ class Chat:
         """The tool calls in the reply just sampled (none when no tools are offered or it was cut)."""
         if self.tool_format is None:
             return Found("")
-        found = self.tool_format.find(official.raw_reply(self.engine, self.engine.tokens[prompt_len:]))
+        found = self.tool_format.find(official.raw_reply(self.engine, self.engine.tokens[prompt_len:]),
+                                       self.runner.schemas() if self.runner else None)
         calls = found.calls if self.tool_format.multiple else found.calls[:1]  # the template takes one
         # a call the model gave no id gets one (nine letters and digits, as Mistral's templates require)
         made = sum(len(m.calls) for m in self.conv.messages)

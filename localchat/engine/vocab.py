@@ -6,6 +6,8 @@ import ctypes
 
 import llama_cpp as lc
 
+from localchat.errors import ModelError
+
 
 class VocabText:
     """Mixed into the Engine, which sets `model`, `vocab` and `_piece_buf`."""
@@ -62,3 +64,21 @@ class VocabText:
     def special_text(self, which: str) -> str:
         tok = {"bos": lc.llama_vocab_bos, "eos": lc.llama_vocab_eos}[which](self.vocab)
         return self.piece(tok, special=True).decode("utf-8", errors="replace") if tok >= 0 else ""
+
+
+class Tokenizer(VocabText):
+    """A model's vocabulary alone (llama.cpp's vocab_only: no weights, no context), to count tokens."""
+
+    def __init__(self, path: str):
+        from localchat.engine.backend import init_backend
+        init_backend(False)
+        params = lc.llama_model_default_params()
+        params.vocab_only = True
+        self.model = lc.llama_model_load_from_file(path.encode(), params)
+        if not self.model:
+            raise ModelError(f"{path}: llama.cpp cannot read its vocabulary")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    def close(self) -> None:
+        lc.llama_model_free(self.model)

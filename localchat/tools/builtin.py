@@ -81,6 +81,7 @@ class Request:
     outside: str = ""  # a path outside the working directory, which needs its own approval
     may_always: bool = True  # "always for this tool" is offered (never for run_command or an outside path)
     budget: tuple[int, int] = (0, 0)  # not a call: (calls made, calls asked) past the reply's budget; go on?
+    server: str = ""  # an MCP tool's server (what it can do is the server's to say)
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,8 @@ def validate(schema: dict[str, Any], args: Any) -> str:
         return "; ".join(x for x in (missing and f"missing {', '.join(missing)}",
                                      unknown and f"unknown {', '.join(unknown)}") if x)
     for k, v in args.items():
-        kinds = _JSON_TYPES.get(params["properties"][k].get("type", ""), (object,))
+        kind = params["properties"][k].get("type", "")
+        kinds = _JSON_TYPES.get(kind, (object,)) if isinstance(kind, str) else (object,)  # a list of types: any
         if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
             return f"{k} must be a {params['properties'][k]['type']}"
         most = params["properties"][k].get("maxLength")
@@ -156,6 +158,9 @@ class Toolbox:
     def schemas(self) -> list[dict[str, Any]]:
         return [_SCHEMAS[name] for name in self.offered]
 
+    def refreshed(self) -> bool:
+        return False  # the built-in list never changes during a chat
+
     def call(self, call: Any, cancelled: Callable[[], bool] | None = None, ready: Result | None = None) -> Result:
         """A chat's tool call (a name and arguments), approved, run and its result capped; `ready`: its
         `preview`, the result when the user approves the call as it is."""
@@ -189,7 +194,7 @@ class Toolbox:
         if problem:
             return Result(f"{name}: the arguments do not fit the tool's schema: {problem}", "error")
         try:
-            decision = self._decide(self._request(name, arguments))
+            decision = self.decide(self._request(name, arguments))
         except ToolError as exc:
             return Result(f"{name}: {exc}", "error")
         except OSError as exc:
@@ -210,7 +215,8 @@ class Toolbox:
         except OSError as exc:
             return Result(f"{name}: {exc.strerror or exc}", "error")
 
-    def _decide(self, r: Request) -> Decision:
+    def decide(self, r: Request) -> Decision:
+        """The user's answer to a call (or the advance approval); "always" is kept for this session."""
         if r.tool in self.allowed and r.may_always:  # never a command, never a path outside: asked each time
             return Decision("once")
         decision = self.approve(r)

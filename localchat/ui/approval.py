@@ -34,7 +34,8 @@ def describe(request: Request) -> str:
         made, asked = request.budget
         return (f"the model asks for {asked} more tool calls; with the {made} it made in this reply they pass "
                 f"its budget (max_tool_calls)")
-    kind = "changes files or runs a command" if request.side_effect else "reads"
+    kind = f"a tool of the MCP server {request.server}: it may change anything the server reaches" if \
+        request.server else "changes files or runs a command" if request.side_effect else "reads"
     where = f"\n  outside the working directory: {request.outside}" if request.outside else ""
     args = json.dumps(request.arguments, ensure_ascii=False, indent=2)
     return f"tool call: {request.tool} ({kind}){where}\narguments: {args}\n{request.shown}".rstrip()

@@ -152,6 +152,22 @@ def _attach(ctx: CommandContext, arg: str) -> str:
     return "\n".join(attaching.add(ctx.ctl.chat, specs))
 
 
+def _mcp(ctx: CommandContext, arg: str) -> str:
+    hub = getattr(ctx.ctl.chat.runner, "hub", None)
+    if hub is None:
+        return "this chat has no MCP servers (--mcp NAME, or the profile's mcp key, with $LOCALCHAT_HOME/mcp.json)"
+    words = arg.split()
+    if words[:1] == ["restart"]:
+        if len(words) != 2 or words[1] not in hub.servers:
+            return f"usage: /mcp restart NAME (the servers: {', '.join(hub.servers)})"
+        hub.restart(words[1])
+        hub.wait([words[1]])
+    elif words:
+        return "usage: /mcp, or /mcp restart NAME"
+    return "\n".join(f"{name:<16} {s.shown_state}: {len(s.tools)} tools, {len(s.resources)} resources "
+                     f"({s.spec.transport}: {s.spec.where()})" for name, s in hub.servers.items())
+
+
 def _docs(ctx: CommandContext, arg: str) -> str:
     if arg.strip() == "clear":
         chat = ctx.ctl.chat
@@ -247,6 +263,7 @@ COMMANDS: dict[str, Command] = {
     "/stats": Command("/stats", "per-turn table: cached, recomputed, TTFT, tok/s", _stats),
     "/cache": Command("/cache", "what the KV holds, state size on disk, the prefix store", _cache),
     "/attach": Command("/attach PATH...", "attach files, directories or globs to the next message", _attach),
+    "/mcp": Command("/mcp [restart NAME]", "the MCP servers' state; restart one", _mcp),
     "/docs": Command("/docs [clear]", "attached documents; clear drops those not sent yet", _docs),
     "/profile": Command("/profile", "active settings and the memory plan", _profile),
     "/pin": Command("/pin", "keep the last exchange in the window when the context fills", _pin),
