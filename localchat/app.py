@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sqlite3
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from localchat.chat.stats import TurnStats
 from localchat.chat.turns import Chat
 from localchat.errors import ProfileError
 from localchat.session import lifecycle
+from localchat.session.searchindex import IndexUnavailable, SearchIndex, recalled
 from localchat.settings import Profile
 from localchat.tools import mcpconfig
 from localchat.tools.builtin import READ_ONLY, SIDE_EFFECTS, Toolbox, advance_problem
@@ -39,13 +41,24 @@ def _offer_tools(rt: runtime.Runtime, asking: approval.Asking | None, hub: Hub |
     p = rt.profile
     approve = asking.approve if asking is not None else approval.pre_approved_only(_report)
     box = Toolbox(Root(Path.cwd()), approve, allowed=set(p.allow_tools), timeout=p.tool_timeout, report=_report,
-                  ahead=asking is not None, offered=READ_ONLY + SIDE_EFFECTS if p.tools else ())
+                  ahead=asking is not None, offered=READ_ONLY + SIDE_EFFECTS if p.tools else (),
+                  search=past_conversations)
     tools = ToolSet(box, hub, p.mcp_timeout, ListCache(paths.home() / "mcp-tools.json"))
     for line in tools.notices:
         _report(f"localchat: {line}")
     rt.chat.enable_tools(tools, p.max_tool_calls, rt.model.path.name, p.tool_choice)
     rt.chat.go_on = asking.go_on if asking is not None else _budget_spent(p.max_tool_calls)
     _report(f"localchat: tools: {tool_cost_line(rt.chat, tools)}")
+
+
+def past_conversations(query: str, limit: int) -> str:
+    """search_conversations: the best matches over every saved session, whole, with where and when."""
+    try:
+        index = SearchIndex()
+        index.refresh()
+        return recalled(index.search(query, limit))
+    except (IndexUnavailable, sqlite3.Error, OSError) as exc:
+        return f"the conversations cannot be searched here: {exc}"
 
 
 def tool_cost_line(chat: Chat, tools: ToolSet) -> str:

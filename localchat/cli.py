@@ -11,7 +11,7 @@ from localchat import __version__
 from localchat.errors import LocalchatError
 from localchat.options import overrides, profile_args, setting_args
 
-SUBCOMMANDS = ("chat", "models", "plan", "sessions", "bench", "profiles", "cache", "mcp")
+SUBCOMMANDS = ("chat", "models", "plan", "sessions", "search", "bench", "profiles", "cache", "mcp")
 
 
 def _err(text: str) -> None:
@@ -22,7 +22,8 @@ def _err(text: str) -> None:
 def chat_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat", description="Chat with a local GGUF model; the KV cache "
                                 "lives across turns and across runs.",
-                                epilog="subcommands: localchat {models,plan,profiles,sessions,cache,mcp,bench} --help")
+                                epilog="subcommands: localchat {models,plan,profiles,sessions,search,cache,mcp,"
+                                       "bench} --help")
     p.add_argument("--version", action="version", version=f"localchat {__version__}")
     profile_args(p)
     setting_args(p, chat=True)

@@ -1,10 +1,11 @@
-"""The subcommands besides the chat: models, plan, sessions, cache, profiles, mcp, bench."""
+"""The subcommands besides the chat: models, plan, sessions, search, cache, profiles, mcp, bench."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import re
+import sqlite3
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -219,12 +220,53 @@ def cmd_sessions(argv: Sequence[str]) -> int:
         return 0 if not problems else 1
     elif args.action == "rm":
         s.remove()
+        _forget(s.name)
         _out(f"removed session '{s.name}'")
     elif args.action == "export":
         if args.format == "json":
             print_json(s.conversation().to_json())
         else:
             _out(export_markdown(s))
+    return 0
+
+
+def _forget(name: str) -> None:
+    """A removed session's rows out of the search index, where there is one."""
+    from localchat.session.searchindex import IndexUnavailable, SearchIndex, index_path
+    if index_path().exists():
+        try:
+            SearchIndex().remove(name)
+        except (IndexUnavailable, OSError, sqlite3.Error):
+            pass  # the next search drops sessions that are gone
+
+
+def cmd_search(argv: Sequence[str]) -> int:
+    """search QUERY: every session's messages, best matches first."""
+    from localchat.session.searchindex import IndexUnavailable, SearchIndex, hit_lines, search_kinds
+    p = argparse.ArgumentParser(prog="localchat search", description="search every session's messages")
+    p.add_argument("query", nargs="+")
+    p.add_argument("--session", help="only this session")
+    p.add_argument("--since", metavar="DATE", help="from this date on (YYYY-MM-DD[THH:MM])")
+    p.add_argument("--until", metavar="DATE", help="before this date")
+    p.add_argument("--role", choices=("user", "assistant", "tool"), help="only the user's, the model's or tools'")
+    p.add_argument("--thoughts", action="store_true", help="search reasoning models' thoughts too")
+    p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        index = SearchIndex()
+    except IndexUnavailable as exc:
+        raise ProfileError(str(exc)) from None
+    if index.notice:
+        _report(f"localchat: {index.notice}")
+    index.refresh()
+    hits = index.search(" ".join(args.query), args.limit, args.session, args.since, args.until,
+                        search_kinds(args.role, args.thoughts))
+    if args.json:
+        print_json([h.to_json() for h in hits])
+        return 0
+    for line in hit_lines(hits) or ["no matches"]:
+        _out(line)
     return 0
 
 
@@ -368,5 +410,5 @@ def _server_lines(name: str, server: Any, tokenizer: Any, whole: bool) -> list[s
 
 def run(name: str, argv: Sequence[str]) -> int:
     return {"models": cmd_models, "plan": cmd_plan, "sessions": cmd_sessions, "bench": cmd_bench,
-            "profiles": cmd_profiles, "cache": cmd_cache, "mcp": cmd_mcp}[name](argv)
+            "profiles": cmd_profiles, "cache": cmd_cache, "mcp": cmd_mcp, "search": cmd_search}[name](argv)
 

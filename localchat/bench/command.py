@@ -184,6 +184,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tools", action="store_true",
                    help="a scripted five-step tool loop on a --paste-tokens file (against --peer-server), and "
                         "the TTFT after approving a read whose result was evaluated while the user read")
+    p.add_argument("--search", type=int, nargs="?", const=1000, metavar="SESSIONS",
+                   help="the search index over SESSIONS (1000) generated sessions of 50 turns: build, search and "
+                        "per-turn update times, and the labelled queries found in the top 5")
     p.add_argument("--document", type=int, nargs="?", const=6000, metavar="TOKENS",
                    help="TTFT of a chat about a document of TOKENS (6000), first and second time (prefix store)")
     return p
@@ -191,6 +194,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.search:
+        return _search_bench(args)
     if args.typing or args.reasoning or args.tools:
         return _idle_benches(args)
     if args.load or args.decode or args.document:
@@ -229,6 +234,17 @@ def main(argv: Sequence[str]) -> int:
     sys.stdout.flush()
     if args.plot:
         _plot(result, args.plot)
+    return 0
+
+
+def _search_bench(args: argparse.Namespace) -> int:
+    """--search: no model; the index on a generated history, in a temporary folder."""
+    from localchat.bench.history import run_search
+    with tempfile.TemporaryDirectory(prefix="localchat-bench-") as tmp:
+        result = run_search(Path(tmp), args.search, 50)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    sys.stdout.write(json.dumps(result, indent=1) + "\n")
     return 0
 
 

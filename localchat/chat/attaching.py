@@ -32,6 +32,15 @@ def add(chat: Chat, specs: list[str]) -> list[str]:
     DocumentError for a path that cannot be read or a file that cannot fit (nothing is attached then)."""
     docs, notes = attach([s for s in specs if not s.startswith(MCP_SCHEME)])
     docs += [_resource(chat, s[len(MCP_SCHEME):]) for s in specs if s.startswith(MCP_SCHEME)]
+    return _add(chat, docs, notes)
+
+
+def add_text(chat: Chat, name: str, text: str) -> list[str]:
+    """A text (not a file: /recall's matches) attached to the next message as a document named `name`."""
+    return _add(chat, [Document(name, frame(name, text), hashlib.sha256(text.encode()).hexdigest())], [])
+
+
+def _add(chat: Chat, docs: list[Document], notes: list[str]) -> list[str]:
     e = chat.engine
     for d in docs:
         d.tokens = e.tokenize(d.block, special=False)

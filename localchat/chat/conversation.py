@@ -9,6 +9,7 @@ the oldest exchanges out leaves a well-formed prompt: the prefix ends with a use
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Message:
     calls: list[dict] = field(default_factory=list)  # assistant: the tool calls it made ({name, arguments, id})
     call_at: int = -1  # assistant: where its calls start in `raw` (the text before them is its content)
     call: dict = field(default_factory=dict)  # tool: the call this result answers ({name, id}) and its status
+    at: str = field(default_factory=lambda: datetime.now().isoformat(timespec="seconds"))  # when it was made
 
     @property
     def doc_chars(self) -> int:
@@ -47,7 +49,7 @@ class Message:
              "cut": self.cut, "in_window": self.in_window, "pinned": self.pinned}
         d.update({k: v for k, v in (("raw", self.raw), ("reasoning", self.reasoning),
                                     ("documents", self.documents), ("calls", self.calls),
-                                    ("call", self.call)) if v})
+                                    ("call", self.call), ("at", self.at)) if v})
         if self.calls:
             d["call_at"] = self.call_at
         return d

@@ -83,7 +83,8 @@ def _message(r: Record) -> Message:
                    reasoning=r["reasoning"] if isinstance(r.get("reasoning"), str) else "",
                    documents=_documents(r.get("documents")),
                    calls=[c for c in r.get("calls") or [] if isinstance(c, dict) and isinstance(c.get("name"), str)],
-                   call=r["call"] if isinstance(r.get("call"), dict) else {}, call_at=int(r.get("call_at", -1)))
+                   call=r["call"] if isinstance(r.get("call"), dict) else {}, call_at=int(r.get("call_at", -1)),
+                   at=r["at"] if isinstance(r.get("at"), str) else "")  # older records: when is not known
 
 
 def _documents(value: object) -> list[dict]:

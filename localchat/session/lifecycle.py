@@ -20,6 +20,7 @@ from localchat.session.background import BackgroundWriter
 from localchat.session.fingerprint import ModelHasher
 from localchat.session.kvdisk import GIB, KVDisk, SavedWith
 from localchat.session.prefixcache import PrefixCache
+from localchat.session.searchindex import Indexer
 from localchat.session.sessiondir import SessionDir, list_sessions
 
 Report = Callable[[str], None]
@@ -46,6 +47,7 @@ class Session:
         self._dirty = False  # turns whose KV is not on disk yet
         self._saved_relayouts = 0  # the history's official-form changes the saved state holds
         self.writer = BackgroundWriter(self._set_status)
+        self.indexer = Indexer()  # the search index follows the transcript, on a thread of its own
         about = SavedWith(rt.model.path, rt.model.name, rt.profile.name, rt.kv_bytes_per_token,
                           int(rt.profile.max_kv_disk_gb * GIB))
         self.kv = KVDisk(rt.engine, ModelHasher(rt.model.path, start=store is not None), about)
@@ -208,6 +210,7 @@ class Session:
             if torn:
                 self.report(f"localchat: the transcript's last record was torn (a crash or a full disk); its "
                             f"{torn} bytes were moved to {self.store.transcript.name}{transcript.TORN_SUFFIX}")
+            self.indexer.update(self.store.name)  # off the turn's path
 
     def save(self) -> float:
         """Copy the KV out of llama.cpp (this thread); hash and write it in the background.
@@ -277,5 +280,6 @@ class Session:
             self.save()  # the deferred KV goes to disk on the way out
         if not self.writer.wait(timeout=120):
             self.report("localchat: autosave still running at exit; the previous save is kept")
+        self.indexer.wait(10)  # a search right after finds the last turn (else the next search indexes it)
         if self.store is not None:
             self.store.unlock()

@@ -26,7 +26,7 @@ from typing import Any
 from localchat.fsutil import atomic_write, walk_files
 from localchat.tools.rooted import Place, Root
 
-READ_ONLY = ("read_file", "list_files", "search_text")
+READ_ONLY = ("read_file", "list_files", "search_text", "search_conversations")
 SIDE_EFFECTS = ("write_file", "edit_file", "run_command")
 RESULT_CHARS = 12_000  # a result longer than this is cut (and says so): a small context holds little more
 READ_BYTES = 4 << 20  # a file larger than this is read only in part
@@ -39,7 +39,7 @@ NAME_CHARS = 256  # a path, glob or pattern longer than this is refused (and a c
 
 def _schema(description: str, props: dict[str, tuple[str, str]], required: tuple[str, ...]) -> dict[str, Any]:
     def prop(key: str, kind: str, words: str) -> dict[str, Any]:
-        bounded = {"maxLength": NAME_CHARS} if key in ("path", "glob", "pattern") else {}
+        bounded = {"maxLength": NAME_CHARS} if key in ("path", "glob", "pattern", "query") else {}
         return {"type": kind, "description": words, **bounded}
     return {"type": "function", "function": {"name": "", "description": description, "parameters": {
         "type": "object", "properties": {k: prop(k, t, d) for k, (t, d) in props.items()},
@@ -55,6 +55,11 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
     "search_text": _schema("Search text files for a regular expression; gives path:line: text.",
                            {"pattern": ("string", "A regular expression (Python syntax)."),
                             "glob": ("string", "Only files matching this glob.")}, ("pattern",)),
+    "search_conversations": _schema(
+        "Search the user's past conversations with you (every saved session); gives the best matching "
+        "messages with their session, turn and date.",
+        {"query": ("string", "Words to look for (any of them; the best matches hold most)."),
+         "limit": ("integer", "How many matches (default 5).")}, ("query",)),
     "write_file": _schema("Write a whole file (created or replaced).",
                           {"path": ("string", "The file's path."), "content": ("string", "The new content.")},
                           ("path", "content")),
@@ -154,6 +159,11 @@ class Toolbox:
     offered: tuple[str, ...] = READ_ONLY + SIDE_EFFECTS  # the tools the model is told of
     report: Callable[[str], None] | None = None  # a line per call: what ran and how it ended
     ahead: bool = False  # read-only calls that wait for the user are run before (`preview`): someone reads them
+    search: Callable[[str, int], str] | None = None  # past conversations (search_conversations: offered with it)
+
+    def __post_init__(self) -> None:
+        if self.search is None:
+            self.offered = tuple(n for n in self.offered if n != "search_conversations")
 
     def schemas(self) -> list[dict[str, Any]]:
         return [_SCHEMAS[name] for name in self.offered]
@@ -303,6 +313,10 @@ class Toolbox:
         _, after = self._edited(p, old, new)
         atomic_write(p, [after.encode()])
         return f"edited {path}"
+
+    def _search_conversations(self, query: str, limit: int = 5) -> str:
+        assert self.search is not None
+        return self.search(query, max(1, min(limit, 20)))
 
     def _run_command(self, command: str) -> str:
         return run_shell(command, self.root.root, self.timeout, self.cancelled)

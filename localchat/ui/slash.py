@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import shlex
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,8 +12,9 @@ from typing import TextIO
 
 from localchat.chat import attaching, transcript
 from localchat.chat.stats import TurnStats
+from localchat.errors import DocumentError
 from localchat.machine import planview
-from localchat.session import prefixcache
+from localchat.session import prefixcache, searchindex
 from localchat.session.lifecycle import Session, auto_name
 from localchat.session.sessiondir import SessionDir, list_sessions
 from localchat.settings import SETTING_KEYS
@@ -168,6 +170,36 @@ def _mcp(ctx: CommandContext, arg: str) -> str:
                      f"({s.spec.transport}: {s.spec.where()})" for name, s in hub.servers.items())
 
 
+def _matches(words: str, most: int) -> tuple[list[searchindex.Hit], str]:
+    """(the best matches over every saved session, a line to tell first or why there are none)."""
+    try:
+        index = searchindex.SearchIndex()
+        index.refresh()
+        return index.search(words, most), index.notice
+    except (searchindex.IndexUnavailable, sqlite3.Error, OSError) as exc:
+        return [], f"the conversations cannot be searched: {exc}"
+
+
+def _search(ctx: CommandContext, arg: str) -> str:
+    if not arg.strip():
+        return "usage: /search WORDS (every saved session; localchat search has the filters)"
+    hits, notice = _matches(arg, 8)
+    lines = ([notice] if notice else []) + searchindex.hit_lines(hits)
+    return "\n".join(lines) if hits else "\n".join([*lines, f"no past message matches {arg.strip()!r}"])
+
+
+def _recall(ctx: CommandContext, arg: str) -> str:
+    if not arg.strip():
+        return "usage: /recall WORDS (the best matches go with your next message, for models without tools)"
+    hits, notice = _matches(arg, 5)
+    if not hits:
+        return "\n".join([*([notice] if notice else []), f"no past message matches {arg.strip()!r}; nothing attached"])
+    try:
+        return "\n".join(attaching.add_text(ctx.ctl.chat, f"recall: {arg.strip()}", searchindex.recalled(hits)))
+    except DocumentError as exc:
+        return f"/recall: {exc}"
+
+
 def _docs(ctx: CommandContext, arg: str) -> str:
     if arg.strip() == "clear":
         chat = ctx.ctl.chat
@@ -263,6 +295,8 @@ COMMANDS: dict[str, Command] = {
     "/stats": Command("/stats", "per-turn table: cached, recomputed, TTFT, tok/s", _stats),
     "/cache": Command("/cache", "what the KV holds, state size on disk, the prefix store", _cache),
     "/attach": Command("/attach PATH...", "attach files, directories or globs to the next message", _attach),
+    "/search": Command("/search WORDS", "search every saved session's messages", _search),
+    "/recall": Command("/recall WORDS", "attach the best matches of past sessions to the next message", _recall),
     "/mcp": Command("/mcp [restart NAME]", "the MCP servers' state; restart one", _mcp),
     "/docs": Command("/docs [clear]", "attached documents; clear drops those not sent yet", _docs),
     "/profile": Command("/profile", "active settings and the memory plan", _profile),
