@@ -150,7 +150,7 @@ def test_a_whole_tool_loop_in_a_real_terminal(home, tmp_path, tools_model):
     work.mkdir()
     (work / "notes.txt").write_text("Bread is made of flour, water and salt.\n")
     t, read = start(home, tmp_path / "stats.jsonl", "--model", str(tools_model), "--tools", "--tool-choice",
-                    "required", "--max-tokens", "64", "--session", "loop", cwd=str(work))
+                    "required", "--max-tokens", "200", "--session", "loop", cwd=str(work))
     asked: list[str] = []
     try:
         t.wait_for(lambda s: "/help for commands" in s and "\n>" in s)
