@@ -4,6 +4,7 @@ takes tools, the calls forced through the reply tokens as the reasoning tests fo
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -546,3 +547,16 @@ def test_the_grammar_takes_every_call_the_template_writes_and_no_call_its_schema
     for refused in ({"path": "p"}, {"path": "p", "text": "t", "mode": "medium"}, {"path": "p", "text": "t", "n": 1.5},
                     {"path": "p", "text": "t", "words": ["a", "b", "c", "d"]}, {"path": "x" * 30, "text": "t"}):
         assert not grammar_takes(demo_engine, gbnf, written(refused)), (name, refused)
+
+
+def test_a_reply_cut_inside_a_call_says_so_and_runs_nothing(home, tools_model, tmp_path):
+    from tests.conftest import run_cli
+    (tmp_path / "notes.txt").write_text(NOTES)
+    stats = tmp_path / "stats.jsonl"
+    r = run_cli(["--model", str(tools_model), "--tools", "--tool-choice", "required", "--allow-tool", "read_file",
+                 "--max-tokens", "6", "--temperature", "0", "--no-session", "--stats-json", str(stats)],
+                stdin=QUESTION + "\n", env={"LOCALCHAT_HOME": str(home)})
+    assert r.returncode == 0, r.stderr
+    assert "no call ran: the reply was cut inside a tool call (max_tokens 6)" in r.stderr
+    row = json.loads(stats.read_text().splitlines()[-1])
+    assert row["stop_reason"] == "max_tokens" and not row.get("tool_calls") and "[tool " not in r.stderr

@@ -397,8 +397,9 @@ class Chat:
                                 calls=[{"name": c.name, "arguments": c.arguments, "id": c.id} for c in found.calls])
         if found.calls:
             m.raw, m.call_at = official.raw_reply(e, reply), found.start
-        if found.error:
-            st.extra["tool_call_error"] = found.error
+        if found.error:  # an opened call that did not parse: nothing ran, and the user is told why
+            st.extra["tool_call_error"] = f"the reply was cut inside a tool call (max_tokens " \
+                f"{self.settings.max_tokens})" if gen.stop_reason == "max_tokens" else found.error
         self._record(m)
         st.extra["reasoning_tokens"] = out.reasoning_tokens
         st.reply_tokens, st.stop_reason = len(reply), gen.stop_reason

@@ -66,6 +66,8 @@ def _reply_parts(st: TurnStats) -> list[str]:
         ahead = sum(s.extra.get("prefetched_tokens", 0) for s in steps)
         parts.append(f"{calls} tool call{'s' * (calls > 1)}, results {results} tok"
                      + (f" ({ahead} read while asked)" if ahead else ""))
+    if st.extra.get("tool_call_error"):
+        parts.append(f"no call ran: {st.extra['tool_call_error']}")
     return parts
 
 
