@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sqlite3
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,14 +14,13 @@ from localchat.chat import attaching
 from localchat.chat.stats import TurnStats
 from localchat.chat.turns import Chat
 from localchat.errors import ProfileError
-from localchat.session import lifecycle
-from localchat.session.searchindex import IndexUnavailable, SearchIndex, recalled
+from localchat.session import lifecycle, searchindex
 from localchat.settings import Profile
 from localchat.tools import mcpconfig
 from localchat.tools.builtin import READ_ONLY, SIDE_EFFECTS, Toolbox, advance_problem
 from localchat.tools.mcp import Hub
 from localchat.tools.rooted import Root
-from localchat.tools.toolset import ListCache, ToolSet, full_name
+from localchat.tools.toolset import ListCache, ToolSet, full_name, schema_tokens
 from localchat.ui import approval, status
 
 
@@ -54,10 +52,8 @@ def _offer_tools(rt: runtime.Runtime, asking: approval.Asking | None, hub: Hub |
 def past_conversations(query: str, limit: int) -> str:
     """search_conversations: the best matches over every saved session, whole, with where and when."""
     try:
-        index = SearchIndex()
-        index.refresh()
-        return recalled(index.search(query, limit))
-    except (IndexUnavailable, sqlite3.Error, OSError) as exc:
+        return searchindex.recalled(searchindex.matches(query, limit)[0])
+    except searchindex.FAILURES as exc:
         return f"the conversations cannot be searched here: {exc}"
 
 
@@ -73,7 +69,7 @@ def tool_cost_line(chat: Chat, tools: ToolSet) -> str:
     groups: dict[str, int] = {}
     for schema in tools.schemas():
         where = tools.server_of(schema["function"]["name"]) or "built-in"
-        groups[where] = groups.get(where, 0) + len(chat.engine.tokenize(json.dumps(schema), False))
+        groups[where] = groups.get(where, 0) + schema_tokens(schema, chat.engine.tokenize)
     shown = ", ".join(f"{where} ~{n:,}" for where, n in groups.items())
     return f"{len(tools.schemas())} offered, the list {total:,} tokens of the {n_ctx:,}-token context ({shown})"
 

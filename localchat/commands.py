@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sqlite3
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -232,17 +231,17 @@ def cmd_sessions(argv: Sequence[str]) -> int:
 
 def _forget(name: str) -> None:
     """A removed session's rows out of the search index, where there is one."""
-    from localchat.session.searchindex import IndexUnavailable, SearchIndex, index_path
+    from localchat.session.searchindex import FAILURES, SearchIndex, index_path
     if index_path().exists():
         try:
             SearchIndex().remove(name)
-        except (IndexUnavailable, OSError, sqlite3.Error):
+        except FAILURES:
             pass  # the next search drops sessions that are gone
 
 
 def cmd_search(argv: Sequence[str]) -> int:
     """search QUERY: every session's messages, best matches first."""
-    from localchat.session.searchindex import IndexUnavailable, SearchIndex, hit_lines, search_kinds
+    from localchat.session.searchindex import FAILURES, hit_lines, matches, search_kinds
     p = argparse.ArgumentParser(prog="localchat search", description="search every session's messages")
     p.add_argument("query", nargs="+")
     p.add_argument("--session", help="only this session")
@@ -254,14 +253,12 @@ def cmd_search(argv: Sequence[str]) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
-        index = SearchIndex()
-    except IndexUnavailable as exc:
-        raise ProfileError(str(exc)) from None
-    if index.notice:
-        _report(f"localchat: {index.notice}")
-    index.refresh()
-    hits = index.search(" ".join(args.query), args.limit, args.session, args.since, args.until,
-                        search_kinds(args.role, args.thoughts))
+        hits, notice = matches(" ".join(args.query), args.limit, session=args.session, since=args.since,
+                               until=args.until, kinds=search_kinds(args.role, args.thoughts))
+    except FAILURES as exc:
+        raise ProfileError(f"search: {exc}") from None
+    if notice:
+        _report(f"localchat: {notice}")
     if args.json:
         print_json([h.to_json() for h in hits])
         return 0
@@ -393,12 +390,11 @@ def cmd_mcp(argv: Sequence[str]) -> int:
 
 
 def _server_lines(name: str, server: Any, tokenizer: Any, whole: bool) -> list[str]:
-    from localchat.tools.toolset import full_name
+    from localchat.tools.toolset import full_name, offered_schema, schema_tokens
     took = f", up in {server.up_s:.2f} s" if whole and server.up_s else ""
     lines = [f"{name} ({server.spec.transport}: {server.spec.where()}): {server.state}{took}"]
     for tool in server.tools:
-        schema = {"name": full_name(name, tool.name), "description": tool.description, "parameters": tool.schema}
-        cost = len(tokenizer.tokenize(json.dumps(schema), False))
+        cost = schema_tokens(offered_schema(full_name(name, tool.name), tool), tokenizer.tokenize)
         offered = server.spec.tools is None or tool.name in server.spec.tools
         lines.append(f"  {full_name(name, tool.name):<32} {cost:>6,} tok  {'' if offered else '(not offered) '}"
                      f"{tool.description.splitlines()[0][:60] if tool.description else ''}")

@@ -139,11 +139,7 @@ class Rules:
         if notation.quote == ("", "") and schema.get("type") in ("string", None) and "enum" not in schema:
             if not close:
                 raise NotWritable("a bare string with nothing after it")
-            most = schema.get("maxLength")
-            end = close[:close.find(">") + 1] or close  # up to the marker that ends the value, as it is read
-            if isinstance(most, int):
-                return f"[^{_class_char(close[0])}]{{0,{most}}} {literal(close)}"
-            return f"{self.until(end)} {literal(close[len(end):])}" if close != end else self.until(end)
+            return self._text_to(close, schema.get("maxLength"))
         return f"{self.noted(schema, name, notation)} {literal(close)}" if close else self.noted(schema, name, notation)
 
     def noted(self, schema: Any, name: str, notation: Notation) -> str:
@@ -177,10 +173,15 @@ class Rules:
         opening, closing = notation.quote
         if not closing:
             raise NotWritable("a bare string inside a value")
-        most = schema.get("maxLength")
+        return self.add(name, f"{literal(opening)} {self._text_to(closing, schema.get('maxLength'))}")
+
+    def _text_to(self, close: str, most: Any) -> str:
+        """Any text, then `close` (at most `most` characters of text where that is a number); unbounded text
+        runs to the marker that ends the value, as it is read back."""
         if isinstance(most, int):
-            return self.add(name, f"{literal(opening)} [^{_class_char(closing[0])}]{{0,{most}}} {literal(closing)}")
-        return self.add(name, f"{literal(opening)} {self.until(closing)}")
+            return f"[^{_class_char(close[0])}]{{0,{most}}} {literal(close)}"
+        end = close[:close.find(">") + 1] or close
+        return self.until(end) + (f" {literal(close[len(end):])}" if close != end else "")
 
     def text(self) -> str:
         return "\n".join(f"{k} ::= {v}" for k, v in self.rules.items()) + "\n"

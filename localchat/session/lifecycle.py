@@ -47,7 +47,7 @@ class Session:
         self._dirty = False  # turns whose KV is not on disk yet
         self._saved_relayouts = 0  # the history's official-form changes the saved state holds
         self.writer = BackgroundWriter(self._set_status)
-        self.indexer = Indexer()  # the search index follows the transcript, on a thread of its own
+        self.indexer: Indexer | None = None  # the search index follows the transcript (started with the first)
         about = SavedWith(rt.model.path, rt.model.name, rt.profile.name, rt.kv_bytes_per_token,
                           int(rt.profile.max_kv_disk_gb * GIB))
         self.kv = KVDisk(rt.engine, ModelHasher(rt.model.path, start=store is not None), about)
@@ -210,7 +210,8 @@ class Session:
             if torn:
                 self.report(f"localchat: the transcript's last record was torn (a crash or a full disk); its "
                             f"{torn} bytes were moved to {self.store.transcript.name}{transcript.TORN_SUFFIX}")
-            self.indexer.update(self.store.name)  # off the turn's path
+            self.indexer = self.indexer or Indexer()
+            self.indexer.update(self.store.name)  # off the turn's path, on a thread of its own
 
     def save(self) -> float:
         """Copy the KV out of llama.cpp (this thread); hash and write it in the background.
@@ -280,6 +281,7 @@ class Session:
             self.save()  # the deferred KV goes to disk on the way out
         if not self.writer.wait(timeout=120):
             self.report("localchat: autosave still running at exit; the previous save is kept")
-        self.indexer.wait(10)  # a search right after finds the last turn (else the next search indexes it)
+        if self.indexer is not None:  # a search right after finds the last turn (else the next search indexes it)
+            self.indexer.wait(10)
         if self.store is not None:
             self.store.unlock()

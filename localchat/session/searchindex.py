@@ -51,6 +51,9 @@ class IndexUnavailable(Exception):
     """This Python's sqlite3 has no FTS5 (the message says so in one line)."""
 
 
+FAILURES = (IndexUnavailable, sqlite3.Error, OSError)  # what keeps the index from answering or updating
+
+
 @dataclass(frozen=True)
 class Hit:
     session: str
@@ -259,6 +262,14 @@ class SearchIndex:
         return [t for _, t in sorted(near, reverse=True)[:3]]
 
 
+def matches(query: str, limit: int, **filters: Any) -> tuple[list[Hit], str]:
+    """(the best matches over every saved session, each brought up to date first; the line telling of a
+    rebuild, or ""). Raises one of FAILURES."""
+    index = SearchIndex()
+    index.refresh()
+    return index.search(query, limit, **filters), index.notice
+
+
 def search_kinds(role: str | None, thoughts: bool = False) -> tuple[str, ...]:
     """The kinds of rows a search covers: by whose they are (user, assistant, tool); thoughts on request."""
     kinds = {"user": ("question", "documents"), "assistant": ("answer", "call"), "tool": ("result",)}
@@ -355,7 +366,7 @@ class Indexer:
             try:
                 self._index = self._index or SearchIndex()
                 self._index.update(session)
-            except (IndexUnavailable, sqlite3.Error, OSError):
+            except FAILURES:
                 self._index = None
             with self._cond:
                 self._busy = False

@@ -132,7 +132,7 @@ class ToolSet:
         return changed
 
     def schemas(self) -> list[dict[str, Any]]:
-        return self.box.schemas() + [_schema(named, t) for named, t in self._offered.items()]
+        return self.box.schemas() + [offered_schema(named, t) for named, t in self._offered.items()]
 
     def resource(self, server: str, uri: str) -> str:
         """An MCP resource's text (`/attach mcp:SERVER/URI`); ValueError saying why not."""
@@ -160,7 +160,7 @@ class ToolSet:
 
     def _run(self, name: str, arguments: Any, cancelled: Callable[[], bool] | None) -> Result:
         tool = self._offered[name]
-        problem = validate(_schema(name, tool), arguments)
+        problem = validate(offered_schema(name, tool), arguments)
         if problem:
             return Result(f"{name}: the arguments do not fit the tool's schema: {problem}", "error")
         assert self.hub is not None
@@ -176,7 +176,13 @@ class ToolSet:
         return Result(cap(outcome.text, RESULT_CHARS), status)
 
 
-def _schema(named: str, tool: McpTool) -> dict[str, Any]:
+def schema_tokens(schema: dict[str, Any], tokenize: Callable[[str, bool], list[int]]) -> int:
+    """What a tool's schema costs in a model's tokens (as the chat's start line and `mcp list` say)."""
+    return len(tokenize(json.dumps(schema), False))
+
+
+def offered_schema(named: str, tool: McpTool) -> dict[str, Any]:
+    """An MCP tool as the template gets it: named `server_tool`, its parameters an object."""
     params = tool.schema if tool.schema.get("type") == "object" else {"type": "object", "properties": {}}
     params = {**params, "properties": params.get("properties") or {}}
     return {"type": "function", "function": {"name": named, "description": tool.description, "parameters": params}}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import shlex
-import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -173,10 +172,8 @@ def _mcp(ctx: CommandContext, arg: str) -> str:
 def _matches(words: str, most: int) -> tuple[list[searchindex.Hit], str]:
     """(the best matches over every saved session, a line to tell first or why there are none)."""
     try:
-        index = searchindex.SearchIndex()
-        index.refresh()
-        return index.search(words, most), index.notice
-    except (searchindex.IndexUnavailable, sqlite3.Error, OSError) as exc:
+        return searchindex.matches(words, most)
+    except searchindex.FAILURES as exc:
         return [], f"the conversations cannot be searched: {exc}"
 
 
