@@ -145,6 +145,20 @@ def test_a_server_that_cannot_start_is_one_notice_and_its_tools_are_not_offered(
         tools.hub.close()
 
 
+def test_a_server_slower_than_its_start_timeout_is_not_waited_for_past_it(tmp_path):
+    spec = ServerSpec("slow", command=sys.executable, args=("-c", "import time; time.sleep(60)"), start_timeout=2.0)
+    started = time.perf_counter()
+    tools = _toolset(tmp_path, spec)
+    try:
+        waited = time.perf_counter() - started
+        notice, = tools.notices
+        assert 2.0 <= waited < 30 and tools.schemas() == []
+        assert notice == 'MCP server slow: failed: did not list its tools within 2 s (its "start_timeout"); ' \
+                         "its tools are not offered"
+    finally:
+        tools.hub.close()
+
+
 def test_a_tool_list_is_offered_at_once_from_the_last_run_and_renewed_when_the_server_lists_another(
         demo_engine, official_dir, tmp_path):
     first = _toolset(tmp_path, STDIO)
@@ -191,6 +205,7 @@ def test_a_line_mode_chat_offers_a_servers_tools_and_a_second_chat_loads_their_p
     ("bogus", 1, "unknown key 'bogus'"),
     ("url", "http://192.0.2.7:9000/mcp", "is not this machine"),
     ("timeout", -1, "\"timeout\" must be a number of seconds above 0"),
+    ("start_timeout", "soon", "\"start_timeout\" must be a number of seconds above 0"),
 ])
 def test_a_bad_server_entry_is_one_line_and_exit_2(home, demo_path, key, value, said):
     entry = {"url": value} if key == "url" else _stdio_entry(**{key: value})
@@ -225,22 +240,26 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 @pytest.mark.parametrize("end", ["eof", "sigterm", "sighup", "server-kill-9"])
 def test_no_server_process_outlives_the_chat(home, tools_model, tmp_path, end):
-    _write_config(home, {"notes": _stdio_entry(tools=["helper"])})
+    # a loaded CI machine may take a while to start a Python server: that is not what this test checks
+    _write_config(home, {"notes": _stdio_entry(tools=["helper"], start_timeout=300)})
     stats = tmp_path / "stats.jsonl"
+    err_path = tmp_path / "stderr.txt"
+    err_file = err_path.open("w")
     proc = subprocess.Popen([sys.executable, "-m", "localchat", "--model", str(tools_model), "--mcp", "notes",
                              "--allow-tool", "notes_helper", "--tool-choice", "required", "--max-tokens", "24",
                              "--temperature", "0", "--no-session", "--stats-json", str(stats)],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err_file, text=True,
                             env={**os.environ, "LOCALCHAT_HOME": str(home)})
     try:
         proc.stdin.write("Start a helper.\n")
         proc.stdin.flush()
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 400
         while not (stats.exists() and stats.read_text().strip()) and time.monotonic() < deadline:
             time.sleep(0.2)
         spawned = _descendants(proc.pid)
         names = [" ".join(p.cmdline()) for p in spawned if p.is_running()]
-        assert any("tests.mcp_servers.notes" in n for n in names) and any(n == "sleep 300" for n in names), names
+        seen = (names, proc.poll(), stats.read_text() if stats.exists() else None, err_path.read_text())
+        assert any("tests.mcp_servers.notes" in n for n in names) and any(n == "sleep 300" for n in names), seen
         if end == "eof":
             proc.stdin.close()
         elif end == "server-kill-9":
@@ -251,7 +270,7 @@ def test_no_server_process_outlives_the_chat(home, tools_model, tmp_path, end):
         else:
             proc.send_signal(signal.SIGTERM if end == "sigterm" else signal.SIGHUP)
         proc.wait(60)
-        err = proc.stderr.read()
+        err = err_path.read_text()
         if end == "server-kill-9":
             assert proc.returncode == 0 and "[tool notes_helper: error" in err, err
         alive = [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -259,6 +278,7 @@ def test_no_server_process_outlives_the_chat(home, tools_model, tmp_path, end):
     finally:
         if proc.poll() is None:
             proc.kill()
+        err_file.close()
 
 
 # ---------------------------------------------------------------- resources, /mcp, the list's cost

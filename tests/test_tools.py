@@ -424,6 +424,49 @@ def test_edited_arguments_run_once_as_edited(home, tools_model, tmp_path):
 
 
 # ---------------------------------------------------------------- the grammar on calls, real sampling
+LAZY_TRIGGER = """
+import sys, ctypes
+import llama_cpp as lc
+from localchat.engine import Generation
+from localchat.engine.grammar import grammar_sampler
+from localchat.engine.sampling import Constrained
+from tests.conftest import make_engine
+engine = make_engine(sys.argv[1], n_ctx=256)
+gbnf, trigger = sys.argv[2], sys.argv[3]
+favoured = engine.tokenize(sys.argv[4], False)
+assert len(favoured) == 1, favoured
+chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+bias = (lc.llama_logit_bias * 1)(lc.llama_logit_bias(favoured[0], 1000.0))
+lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_logit_bias(lc.llama_vocab_n_tokens(engine.vocab), 1, bias))
+lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+sampler = Constrained(chain, grammar_sampler(engine.vocab, gbnf, (trigger,)), False, (trigger.encode(),),
+                      grammar_sampler(engine.vocab, gbnf))
+engine.prefill(engine.tokenize("Hello, how are you?", False))
+gen = Generation([])
+text = "".join(engine.generate(sampler, 6, gen))
+print(repr(text))
+print(gen.tokens[0] == favoured[0])
+"""
+
+
+@pytest.mark.parametrize("grammar, starts", [
+    ('root ::= ">" "\\n" "x"', False),  # "></" would open a call the grammar refuses: llama.cpp aborts on it
+    ('root ::= "></" [a-z]+', True),  # the same token opening a call the grammar takes: the call is held to it
+])
+def test_a_token_that_opens_a_call_the_grammar_refuses_is_never_drawn(demo_path, grammar, starts):
+    """A lazy grammar waits for its trigger; a token holding the trigger and then text the grammar refuses
+    (the demo model's "></" after "<tool_call" in a CI run) made llama.cpp abort the whole process."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", LAZY_TRIGGER, str(demo_path), grammar, ">", "></"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    text, first = r.stdout.splitlines()[-2:]
+    assert first == str(starts), r.stdout
+    if starts:
+        assert text.startswith("'></") and text[5:-1].isalpha() and text[5:-1].islower(), text
+
+
 def test_with_tool_choice_required_every_sampled_call_parses_and_fits_its_schema(demo_engine, official_dir,
                                                                                   tmp_path):
     import dataclasses

@@ -209,7 +209,10 @@ class Engine(VocabText):
 
     def make_sampler(self, s: SamplingConfig, gbnf: str = "", triggers: tuple[str, ...] = ()) -> object:
         """The sampler chain for `s`; with `gbnf`, constrained by that grammar (lazy: from a trigger on)."""
-        return make_sampler(s, self.vocab, self.n_ctx, grammar_sampler(self.vocab, gbnf, triggers) if gbnf else None)
+        if not gbnf:
+            return make_sampler(s, self.vocab, self.n_ctx)
+        probe = grammar_sampler(self.vocab, gbnf) if triggers else None
+        return make_sampler(s, self.vocab, self.n_ctx, grammar_sampler(self.vocab, gbnf, triggers), triggers, probe)
 
     def generate(self, sampler, max_tokens: int, gen: Generation, cancelled: Callable[[], bool] | None = None,
                  inject: Callable[[], list[int]] | None = None,

@@ -13,6 +13,7 @@ from localchat.engine.types import SamplingConfig
 
 # DRY's default sequence breakers (llama.cpp's): repetition across them is not penalized
 _DRY_BREAKERS = ("\n", ":", "\"", "*")
+MAX_REDRAWS = 32  # tokens refused in a row before the reply ends instead (never seen)
 
 
 @dataclass(frozen=True)
@@ -25,15 +26,20 @@ class Constrained:
     chain: object
     grammar: object
     stateless: bool  # no penalties: the chain's own draw (which accepts its token) may be the first try
+    triggers: tuple[bytes, ...] = ()  # a lazy grammar's: free text until one of them appears
+    probe: object | None = None  # the same grammar, not lazy: what a trigger's token would start is tried on a copy
 
 
-def make_sampler(s: SamplingConfig, vocab: object, n_ctx: int, grammar: object | None = None) -> object:
+def make_sampler(s: SamplingConfig, vocab: object, n_ctx: int, grammar: object | None = None,
+                 triggers: tuple[str, ...] = (), probe: object | None = None) -> object:
     """llama.cpp's sampler chain for these settings, in llama.cpp's own order: penalties, DRY, then
     top-k, top-p, min-p, temperature and the draw (greedy at temperature 0); with a `grammar` sampler,
-    the two as one `Constrained`."""
+    the two as one `Constrained` (lazy from `triggers` on, `probe` being the same grammar from the start)."""
     chain = _chain(s, vocab, n_ctx)
     stateless = s.repeat_penalty == 1.0 and s.dry_multiplier <= 0
-    return Constrained(chain, grammar, stateless) if grammar is not None else chain
+    if grammar is None:
+        return chain
+    return Constrained(chain, grammar, stateless, tuple(t.encode() for t in triggers), probe)
 
 
 def _chain(s: SamplingConfig, vocab: object, n_ctx: int) -> object:
@@ -72,49 +78,113 @@ def drawer(chain: object, ctx: object, vocab: object) -> Callable[[int], int]:
     read here directly: the chain would build a candidate array of the whole vocabulary first (73 us
     a token for SmolLM2's 49k tokens, 6% of its step on an H200)."""
     if isinstance(chain, Constrained):
-        return _constrained_drawer(chain, ctx, lc.llama_vocab_n_tokens(vocab))
+        return _constrained_drawer(chain, ctx, vocab)
     if not is_greedy(chain):
         return lambda i: lc.llama_sampler_sample(chain, ctx, i)
     n_vocab = lc.llama_vocab_n_tokens(vocab)
     return lambda i: int(logits(ctx, i, n_vocab).argmax())
 
 
-def _constrained_drawer(s: Constrained, ctx: object, n_vocab: int) -> Callable[[int], int]:
-    data = (lc.llama_token_data * n_vocab)()
-    view = np.ctypeslib.as_array(data)
-    ids = np.arange(n_vocab, dtype=np.int32)
-    one = (lc.llama_token_data * 1)()
+def _constrained_drawer(s: Constrained, ctx: object, vocab: object) -> Callable[[int], int]:
+    return _ConstrainedDraw(s, ctx, vocab).draw
 
-    def candidates(i: int) -> lc.llama_token_data_array:
-        view["id"], view["logit"], view["p"] = ids, logits(ctx, i, n_vocab), 0.0
-        return lc.llama_token_data_array(data, n_vocab, -1, False)
 
-    def chosen(arr: lc.llama_token_data_array) -> int:
+class _ConstrainedDraw:
+    """One reply's draws under a grammar: the chain's token first, checked against the grammar alone."""
+
+    def __init__(self, s: Constrained, ctx: object, vocab: object):
+        self.s, self.ctx, self.vocab = s, ctx, vocab
+        self.n_vocab = lc.llama_vocab_n_tokens(vocab)
+        self.data = (lc.llama_token_data * self.n_vocab)()
+        self.view = np.ctypeslib.as_array(self.data)
+        self.ids = np.arange(self.n_vocab, dtype=np.int32)
+        self.one = (lc.llama_token_data * 1)()
+        self.awaiting = bool(s.triggers)  # a lazy grammar waiting for its trigger
+        self.tail = bytearray()  # meanwhile, the reply's last bytes, where a trigger may begin
+        self.keep = max((len(t) for t in s.triggers), default=1) - 1
+
+    def candidates(self, i: int) -> lc.llama_token_data_array:
+        self.view["id"], self.view["logit"], self.view["p"] = self.ids, logits(self.ctx, i, self.n_vocab), 0.0
+        return lc.llama_token_data_array(self.data, self.n_vocab, -1, False)
+
+    def first_try(self, i: int) -> int:
+        if self.s.stateless:  # in C, the whole vocabulary; what it accepts changes nothing
+            return int(lc.llama_sampler_sample(self.s.chain, self.ctx, i))
+        arr = self.candidates(i)
+        lc.llama_sampler_apply(self.s.chain, ctypes.byref(arr))
         return int(arr.data[arr.selected].id)
 
-    def first_try(i: int) -> int:
-        if s.stateless:  # in C, the whole vocabulary; what it accepts changes nothing
-            return int(lc.llama_sampler_sample(s.chain, ctx, i))
-        arr = candidates(i)
-        lc.llama_sampler_apply(s.chain, ctypes.byref(arr))
-        return chosen(arr)
+    def redraw(self, i: int, refused: list[int]) -> int:
+        """The chain's draw among what the grammar allows, the refused tokens left out."""
+        arr = self.candidates(i)
+        if not self.awaiting:
+            lc.llama_sampler_apply(self.s.grammar, ctypes.byref(arr))
+        self.view["logit"][refused] = -np.inf
+        lc.llama_sampler_apply(self.s.chain, ctypes.byref(arr))
+        return int(arr.data[arr.selected].id)
 
-    def draw(i: int) -> int:
-        tok = first_try(i)
-        one[0] = lc.llama_token_data(tok, 0.0, 0.0)
-        single = lc.llama_token_data_array(one, 1, -1, False)
-        lc.llama_sampler_apply(s.grammar, ctypes.byref(single))
-        rejected = one[0].logit == float("-inf")
-        if rejected:  # the grammar rejects it: the chain draws from what it allows
-            arr = candidates(i)
-            lc.llama_sampler_apply(s.grammar, ctypes.byref(arr))
-            lc.llama_sampler_apply(s.chain, ctypes.byref(arr))
-            tok = chosen(arr)
-        if not s.stateless or rejected:
+    def starts_well(self, tok: int) -> bool:
+        """Whether the call a token's text would open (with what came before) is one the grammar takes:
+        llama.cpp aborts on accepting a token whose trigger starts text its grammar refuses."""
+        text = bytes(self.tail) + _piece(self.vocab, tok)
+        starts = [text.find(t) for t in self.s.triggers if t in text]
+        return not starts or self.s.probe is None or _takes(self.s.probe, self.vocab, text[min(starts):])
+
+    def draw(self, i: int) -> int:
+        s, tok, refused = self.s, self.first_try(i), []
+        if self.awaiting:
+            while not self.starts_well(tok):
+                refused.append(tok)
+                tok = _end_of_text(self.vocab) if len(refused) > MAX_REDRAWS else self.redraw(i, refused)
+        elif not _grammar_takes(s.grammar, self.one, tok):
+            refused.append(tok)
+            tok = self.redraw(i, refused)
+        if not s.stateless or refused:
             lc.llama_sampler_accept(s.chain, tok)
+        if self.awaiting:
+            self.tail.extend(_piece(self.vocab, tok))
+            self.awaiting = not any(t in self.tail for t in s.triggers)
+            del self.tail[:max(0, len(self.tail) - self.keep)]
         lc.llama_sampler_accept(s.grammar, tok)
         return tok
-    return draw
+
+
+def _grammar_takes(grammar: object, one: ctypes.Array, tok: int) -> bool:
+    one[0] = lc.llama_token_data(tok, 0.0, 0.0)
+    lc.llama_sampler_apply(grammar, ctypes.byref(lc.llama_token_data_array(one, 1, -1, False)))
+    return bool(one[0].logit != float("-inf"))
+
+
+def _end_of_text(vocab: object) -> int:
+    eot = lc.llama_vocab_eot(vocab)
+    return eot if eot >= 0 else lc.llama_vocab_eos(vocab)
+
+
+def _piece(vocab: object, tok: int) -> bytes:
+    """A token's text as llama.cpp's grammar reads it (special tokens spelled out)."""
+    buf = ctypes.create_string_buffer(256)
+    n = lc.llama_token_to_piece(vocab, tok, buf, len(buf), 0, True)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = lc.llama_token_to_piece(vocab, tok, buf, len(buf), 0, True)
+    return buf.raw[:max(n, 0)]
+
+
+def _takes(probe: object, vocab: object, text: bytes) -> bool:
+    """Whether the grammar, from its start, takes `text` (tried on a copy, token by token)."""
+    cap = len(text) + 8
+    tokens = (lc.llama_token * cap)()
+    n = lc.llama_tokenize(vocab, text, len(text), tokens, cap, False, True)
+    copy = lc.llama_sampler_clone(probe)
+    one = (lc.llama_token_data * 1)()
+    try:
+        for tok in tokens[:max(n, 0)]:
+            if not _grammar_takes(copy, one, tok):
+                return False
+            lc.llama_sampler_accept(copy, tok)
+        return n >= 0
+    finally:
+        lc.llama_sampler_free(copy)
 
 
 def logits(ctx: object, i: int, n_vocab: int) -> np.ndarray:

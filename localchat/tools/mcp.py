@@ -25,7 +25,6 @@ from typing import Any
 from localchat.paths import private_dir
 from localchat.tools.mcpconfig import ServerSpec
 
-START_S = 30.0  # a server that has not listed its tools by then is given up (it says so)
 NICE = 10  # stdio servers yield the CPU to the chat (their work is waited for only when a call runs)
 RESULT_BYTES = 16 << 20  # an HTTP event larger than this is refused by the SDK (its default is 1 MiB)
 
@@ -78,7 +77,7 @@ class McpServer:
                 await self._serve(streams[0], streams[1])
         except BaseException as exc:  # noqa: B036 - every way a server ends is told, never raised into the chat
             if self.state in ("starting", "ready") and generation == self._generation:
-                self.state = f"failed: {_why(exc)}"
+                self.state = f"failed: {self.late if self.state == 'starting' and _timed_out(exc) else _why(exc)}"
         finally:
             errlog.close()
             _end_group(pids)
@@ -86,6 +85,10 @@ class McpServer:
                 self._session = None
                 self.state = "stopped" if self.state in ("starting", "ready") else self.state
                 self.ready.set()
+
+    @property
+    def late(self) -> str:
+        return f"did not list its tools within {self.spec.start_timeout:g} s (its \"start_timeout\")"
 
     @property
     def shown_state(self) -> str:
@@ -108,12 +111,14 @@ class McpServer:
         import mcp_types as types
         from mcp import ClientSession
         async with ClientSession(read, write, client_info=types.Implementation(name="localchat", version="1")) as s:
-            init = await asyncio.wait_for(s.initialize(), START_S)
-            self.tools = await asyncio.wait_for(self._list_tools(s), START_S)
+            start_s = self.spec.start_timeout
+            init = await asyncio.wait_for(s.initialize(), start_s)
+            self.tools = await asyncio.wait_for(self._list_tools(s), start_s)
             if init.capabilities.resources is not None:
                 with contextlib.suppress(Exception):  # resources are extra: a server that fails them still serves
-                    listed = await asyncio.wait_for(s.list_resources(), START_S)
+                    listed = await asyncio.wait_for(s.list_resources(), start_s)
                     self.resources = [(str(r.uri), r.name) for r in listed.resources]
+            _yield_cpu(self.pids)
             self._session, self.state = s, "ready"
             self.up_s = time.perf_counter() - self.started_s
             self.ready.set()
@@ -210,12 +215,16 @@ async def _watched(transport: Any, pids: set[int]) -> Any:
     me = psutil.Process()
     before = {p.pid for p in me.children()}
     async with transport as streams:
-        for child in me.children():
-            if child.pid not in before:
-                pids.add(child.pid)
-                with contextlib.suppress(psutil.Error):
-                    child.nice(NICE)  # a server starting must not slow the turn the user waits for
+        pids.update(child.pid for child in me.children() if child.pid not in before)
         yield streams
+
+
+def _yield_cpu(pids: set[int]) -> None:
+    """A listed server's later work must not slow the turn the user waits for (its start is waited for)."""
+    import psutil
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).nice(NICE)
 
 
 def _http_client(spec: ServerSpec) -> Any:
@@ -239,10 +248,20 @@ def _wait(future: cf.Future[Any], timeout: float, cancelled: Callable[[], bool] 
         future.cancel()
 
 
+def _innermost(exc: BaseException) -> BaseException:
+    """The first exception inside the SDK's exception groups (Python 3.11's, or anyio's backport)."""
+    while getattr(exc, "exceptions", None):
+        exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    return exc
+
+
+def _timed_out(exc: BaseException) -> bool:
+    return isinstance(_innermost(exc), TimeoutError)
+
+
 def _why(exc: BaseException) -> str:
     """One line for an exception, unwrapping the SDK's exception groups."""
-    while getattr(exc, "exceptions", None):  # an exception group (Python 3.11's, or anyio's backport)
-        exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    exc = _innermost(exc)
     if isinstance(exc, FileNotFoundError):
         return f"{exc.filename or 'the command'} not found"
     text = str(getattr(exc, "message", "") or exc).strip().splitlines()
@@ -293,10 +312,11 @@ class Hub:
             logging.getLogger(name).propagate = False
         self._loop.run_forever()
 
-    def wait(self, names: list[str] | None = None, timeout: float = START_S) -> None:
-        end = time.monotonic() + timeout
+    def wait(self, names: list[str] | None = None) -> None:
+        """Until each server has listed its tools or failed, or its start_timeout has passed."""
         for name in names if names is not None else list(self.servers):
-            self.servers[name].ready.wait(max(0.0, end - time.monotonic()))
+            server = self.servers[name]
+            server.ready.wait(max(0.0, server.started_s + server.spec.start_timeout - time.perf_counter()))
 
     def restart(self, name: str) -> None:
         server = self.servers[name]

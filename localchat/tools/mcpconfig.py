@@ -5,7 +5,8 @@ clients use, so a block pasted from their docs works here:
                     "calendar": {"url": "http://127.0.0.1:8765/mcp"}}}
 
 Keys of localchat's own, each optional: `cwd` (a stdio server's working directory), `headers` (HTTP),
-`tools` (the only tools of the server to offer), `timeout` (seconds a call may take), `allow_remote`
+`tools` (the only tools of the server to offer), `timeout` (seconds a call may take), `start_timeout`
+(seconds it may take to list its tools, as Codex's startup_timeout_sec), `allow_remote`
 (consent to an HTTP server at an address that is not this machine's loopback). Everything is checked
 here, before a server starts: one line naming the server and the key."""
 
@@ -26,8 +27,9 @@ from localchat.errors import ProfileError
 from localchat.paths import config_dir
 
 NAMES = ("mcp.json", "mcp.yaml", "mcp.yml")
-_KEYS = {"type", "command", "args", "env", "cwd", "url", "headers", "tools", "timeout", "allow_remote",
-         "disabled", "description"}
+_KEYS = {"type", "command", "args", "env", "cwd", "url", "headers", "tools", "timeout", "start_timeout",
+         "allow_remote", "disabled", "description"}
+START_S = 30.0  # a server that has not listed its tools by then is not waited for (it says so)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
 
 
@@ -42,6 +44,7 @@ class ServerSpec:
     headers: tuple[tuple[str, str], ...] = ()
     tools: tuple[str, ...] | None = None  # None: every tool the server lists
     timeout: float | None = None  # None: the profile's mcp_timeout
+    start_timeout: float = START_S
     allow_remote: bool = False
 
     @property
@@ -98,7 +101,9 @@ def _spec(path: Path, name: Any, entry: Any) -> ServerSpec:
                       url=_text(bad, url, "url") if url else "",
                       headers=_pairs(bad, entry.get("headers", {}), "headers"),
                       tools=_texts(bad, entry["tools"], "tools") if "tools" in entry else None,
-                      timeout=_seconds(bad, entry.get("timeout")), allow_remote=entry.get("allow_remote") is True)
+                      timeout=_seconds(bad, entry, "timeout"),
+                      start_timeout=_seconds(bad, entry, "start_timeout") or START_S,
+                      allow_remote=entry.get("allow_remote") is True)
     if spec.url:
         check_url(spec, bad)
     return spec
@@ -122,11 +127,12 @@ def _pairs(bad: Any, value: Any, key: str) -> tuple[tuple[str, str], ...]:
     return tuple(value.items())
 
 
-def _seconds(bad: Any, value: Any) -> float | None:
+def _seconds(bad: Any, entry: dict[str, Any], key: str) -> float | None:
+    value = entry.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
-        raise bad("\"timeout\" must be a number of seconds above 0")
+        raise bad(f"\"{key}\" must be a number of seconds above 0")
     return float(value)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from localchat.fsutil import atomic_write
 from localchat.tools.builtin import RESULT_CHARS, Request, Result, Toolbox, cap, validate
-from localchat.tools.mcp import START_S, Hub, McpTool
+from localchat.tools.mcp import Hub, McpTool
 from localchat.tools.mcpconfig import ServerSpec
 
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # what the OpenAI shape (and most templates) take
@@ -83,7 +83,7 @@ class ToolSet:
         for name, server in self.hub.servers.items():
             known = self.cache.get(server.spec) if self.cache else None
             if known is None:
-                server.ready.wait(START_S)  # never seen: its list is needed before the prompt
+                server.ready.wait(server.spec.start_timeout)  # never seen: its list is needed before the prompt
                 known = list(server.tools) if server.state == "ready" else None
                 if known is not None and self.cache is not None:
                     self.cache.put(server.spec, known)
@@ -98,7 +98,9 @@ class ToolSet:
             assert self.hub is not None
             spec = self.hub.servers[name].spec
             if tools is None:
-                self.notices.append(f"MCP server {name}: {self.hub.servers[name].state}; its tools are not offered")
+                server = self.hub.servers[name]
+                state = f"failed: {server.late}" if server.state == "starting" else server.state
+                self.notices.append(f"MCP server {name}: {state}; its tools are not offered")
                 continue
             for tool in tools:
                 if spec.tools is not None and tool.name not in spec.tools:
@@ -140,7 +142,7 @@ class ToolSet:
             chosen = ", ".join(self.hub.servers) if self.hub else "none: --mcp NAME chooses them"
             raise ValueError(f"no MCP server {server!r} in this chat (its servers: {chosen})")
         found = self.hub.servers[server]
-        found.ready.wait(START_S)
+        found.ready.wait(found.spec.start_timeout)
         return found.read_resource(uri, found.spec.timeout or self.timeout)
 
     def server_of(self, name: str) -> str:
@@ -170,7 +172,7 @@ class ToolSet:
         if decision.verdict == "deny":
             return Result("denied by the user", "denied")
         args = decision.arguments if decision.arguments is not None else arguments
-        server.ready.wait(START_S)  # a call to a server still starting waits for it, only it
+        server.ready.wait(server.spec.start_timeout)  # a call to a server still starting waits for it, only it
         outcome = server.call(tool.name, args, server.spec.timeout or self.timeout, cancelled)
         status = "stopped" if outcome.stopped else "error" if outcome.error else "ok"
         return Result(cap(outcome.text, RESULT_CHARS), status)
