@@ -13,8 +13,9 @@ from localchat import paths, runtime
 from localchat.chat import attaching
 from localchat.chat.stats import TurnStats
 from localchat.chat.turns import Chat
-from localchat.errors import ProfileError
-from localchat.session import lifecycle, searchindex
+from localchat.errors import ModelError, ProfileError
+from localchat.session import lifecycle, memory, searchindex
+from localchat.session.meaning import Embedding
 from localchat.settings import Profile
 from localchat.tools import mcpconfig
 from localchat.tools.builtin import READ_ONLY, SIDE_EFFECTS, Toolbox, advance_problem
@@ -40,7 +41,7 @@ def _offer_tools(rt: runtime.Runtime, asking: approval.Asking | None, hub: Hub |
     approve = asking.approve if asking is not None else approval.pre_approved_only(_report)
     box = Toolbox(Root(Path.cwd()), approve, allowed=set(p.allow_tools), timeout=p.tool_timeout, report=_report,
                   ahead=asking is not None, offered=READ_ONLY + SIDE_EFFECTS if p.tools else (),
-                  search=past_conversations)
+                  search=lambda query, limit: past_conversations(query, limit, rt.embedding))
     tools = ToolSet(box, hub, p.mcp_timeout, ListCache(paths.home() / "mcp-tools.json"))
     for line in tools.notices:
         _report(f"localchat: {line}")
@@ -49,11 +50,11 @@ def _offer_tools(rt: runtime.Runtime, asking: approval.Asking | None, hub: Hub |
     _report(f"localchat: tools: {tool_cost_line(rt.chat, tools)}")
 
 
-def past_conversations(query: str, limit: int) -> str:
+def past_conversations(query: str, limit: int, embedding: Embedding | None = None) -> str:
     """search_conversations: the best matches over every saved session, whole, with where and when."""
     try:
-        return searchindex.recalled(searchindex.matches(query, limit)[0])
-    except searchindex.FAILURES as exc:
+        return searchindex.recalled(memory.matches(query, limit, embedding)[0])
+    except (*searchindex.FAILURES, ModelError) as exc:
         return f"the conversations cannot be searched here: {exc}"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -50,7 +51,7 @@ def cmd_models(argv: Sequence[str]) -> int:
             m = models.model_info(found.path, g)
             row.update(arch=m.arch, params=m.n_params, quant=m.quant, size=m.file_size, n_ctx_train=m.n_ctx_train,
                        kv_bytes_per_token_f16=m.kv_bytes_per_token(), chat_template=m.has_chat_template,
-                       sliding_window=m.n_swa)
+                       sliding_window=m.n_swa, embedding=m.embeds_only)
             refused = template_problem(g.get("tokenizer.chat_template"), "tokenizer.chat_template" in g.invalid_utf8)
             if refused:
                 row["template_refused"] = refused
@@ -86,6 +87,8 @@ def _model_line(r: dict[str, Any]) -> list[str]:
         out.append(f"    its chat template is refused: {r['template_refused']}")
     if "would_not_load" in r:
         out.append(f"    {r['would_not_load']}")
+    if r.get("embedding"):
+        out.append("    an embedding model: for embedding_model (search by meaning), not for chat")
     return out
 
 
@@ -113,6 +116,12 @@ def cmd_plan(argv: Sequence[str]) -> int:
             where = (f"{room / (1 << 20):,.0f} MiB left on the card -> {'fits' if need <= room else 'DOES NOT FIT'}"
                      if plan.gpu else "in RAM beside the model")
             _out(f"draft      {draft.name}: {need / (1 << 20):,.0f} MiB (weights, f16 KV, compute), {where}")
+        if profile.embedding_model:
+            embedding = runtime.embedding_for(profile, _report)
+            assert embedding is not None
+            size = os.path.getsize(embedding.path) + EMBED_COMPUTE
+            _out(f"embedding  {os.path.basename(embedding.path)}: {size / (1 << 20):,.0f} MiB of RAM beside that total "
+                 "(weights, compute), loaded by the search indexer for its first message")
     planmod.check_fits(plan, profile)
     info.check_loadable()  # the plan holds; the file itself would not load
     return 0
@@ -239,9 +248,20 @@ def _forget(name: str) -> None:
             pass  # the next search drops sessions that are gone
 
 
+EMBED_COMPUTE = 144 << 20  # all-MiniLM's context and buffers for a 1,024-token batch: 187 MiB RSS less its file
+
+
+def _embedding_progress(done: int, total: int) -> None:
+    """The once-only embedding of the history, where it takes a while (every message since the model was set)."""
+    if total >= 100:
+        _report(f"\rlocalchat: embedding past messages for search by meaning: {done:,} of {total:,}"
+                + ("\n" if done >= total else ""))
+
+
 def cmd_search(argv: Sequence[str]) -> int:
     """search QUERY: every session's messages, best matches first."""
-    from localchat.session.searchindex import FAILURES, hit_lines, matches, search_kinds
+    from localchat.session.memory import matches
+    from localchat.session.searchindex import FAILURES, hit_lines, search_kinds
     p = argparse.ArgumentParser(prog="localchat search", description="search every session's messages")
     p.add_argument("query", nargs="+")
     p.add_argument("--session", help="only this session")
@@ -250,11 +270,15 @@ def cmd_search(argv: Sequence[str]) -> int:
     p.add_argument("--role", choices=("user", "assistant", "tool"), help="only the user's, the model's or tools'")
     p.add_argument("--thoughts", action="store_true", help="search reasoning models' thoughts too")
     p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--words", action="store_true", help="by words alone, where the profile sets an embedding_model")
     p.add_argument("--json", action="store_true")
+    profile_args(p)
     args = p.parse_args(argv)
+    profile = runtime.load_profile(args.profile, overrides(args))
+    embedding = None if args.words else runtime.embedding_for(profile, _report, threads=os.cpu_count() or 1)
     try:
-        hits, notice = matches(" ".join(args.query), args.limit, session=args.session, since=args.since,
-                               until=args.until, kinds=search_kinds(args.role, args.thoughts))
+        hits, notice = matches(" ".join(args.query), args.limit, embedding, _embedding_progress, session=args.session,
+                               since=args.since, until=args.until, kinds=search_kinds(args.role, args.thoughts))
     except FAILURES as exc:
         raise ProfileError(f"search: {exc}") from None
     if notice:

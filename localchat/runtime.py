@@ -16,6 +16,7 @@ from localchat.engine import (
     DraftModel,
     Engine,
     EngineConfig,
+    LazyEmbedder,
     SamplingConfig,
     check_vocab,
     devices,
@@ -27,6 +28,7 @@ from localchat.engine import (
 from localchat.errors import ModelError, ProfileError, TemplateFailure
 from localchat.machine import models, profiles, rpc
 from localchat.machine import plan as planmod
+from localchat.machine.fetch import EMBEDDING_MODELS, ensure_builtin
 from localchat.machine.models import ModelInfo
 from localchat.machine.placement import Card
 from localchat.machine.plan import MemoryPlan
@@ -54,6 +56,7 @@ class Runtime:
     threads: ThreadFit | None = None  # the profile's thread settings and, for auto, the load readings
     threads_why: str = ""  # how auto chose the threads in use
     draft: DraftModel | None = None  # the profile's draft_model, loaded beside the model
+    embedding: LazyEmbedder | None = None  # the profile's embedding_model, loaded on its first use
 
     def refit_threads(self, min_window: float = 0.0) -> None:
         """Auto threads: as many as the cores other processes leave free now (two reads of /proc)."""
@@ -90,6 +93,9 @@ def resolve_model(profile: Profile, report: Report) -> ModelInfo:
     """The profile's model, read (and described even where llama.cpp would refuse it); metadata it
     ignores is said once."""
     info = models.model_info(models.resolve(profile.model, report))
+    if info.embeds_only:
+        raise ModelError(f"{info.path.name} is an embedding model: it makes sentence vectors, not replies; "
+                         "give it as embedding_model (search by meaning) and a chat model as model")
     for notice in info.notices:
         report(f"localchat: {info.path.name}: {notice}")
     return info
@@ -226,6 +232,17 @@ def draft_need(profile: Profile, plan: MemoryPlan, report: Report) -> tuple[Mode
     return info, need, room
 
 
+def embedding_for(profile: Profile, report: Report, threads: int = 1) -> LazyEmbedder | None:
+    """The profile's embedding model, checked (a damaged or missing file is one line) but not loaded yet;
+    one thread where it embeds beside a chat (on an idle thread), more where the user waits for it."""
+    spec = profile.embedding_model
+    if not spec:
+        return None
+    path = ensure_builtin(spec, report) if spec in EMBEDDING_MODELS else models.resolve(spec, report)
+    models.model_info(path).check_loadable()
+    return LazyEmbedder(str(path), threads)
+
+
 def open_draft(profile: Profile, plan: MemoryPlan, engine: Engine, report: Report) -> DraftModel:
     """The draft model beside the model: on the same devices, which on a GPU profile must hold it on top
     of the plan; refused when its vocabulary is not the model's."""
@@ -272,6 +289,7 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
         raise
     if draft is not None and chat.speculation is not None:
         chat.speculation.model = draft
-    rt = Runtime(profile, info, plan, engine, chat, warning, threads, draft=draft)
+    rt = Runtime(profile, info, plan, engine, chat, warning, threads, draft=draft,
+                 embedding=embedding_for(profile, report))
     rt.refit_threads(min_window=0.25)
     return rt

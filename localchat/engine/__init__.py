@@ -4,7 +4,8 @@
 plain data; `vocab`: tokens to text and back, metadata; `sampling`: llama.cpp's sampler chains;
 `stepcost`: what a step and a verification cost, measured; `speculative`: drafts from the context's
 history, verified in batches; `draftmodel`: a small model of the same vocabulary that drafts;
-`context`: the Engine itself, one llama.cpp context holding a token-canonical KV.
+`context`: the Engine itself, one llama.cpp context holding a token-canonical KV; `embedder`: sentence
+vectors from an embedding model, for search by meaning.
 """
 
 from localchat.engine.backend import (
@@ -19,11 +20,12 @@ from localchat.engine.backend import (
 )
 from localchat.engine.context import Engine
 from localchat.engine.draftmodel import DraftModel, check_vocab
+from localchat.engine.embedder import Embedder, LazyEmbedder
 from localchat.engine.sampling import prime as prime_sampler
 from localchat.engine.speculative import Speculation
 from localchat.engine.types import Cancelled, Device, EngineConfig, Generation, PrefillResult, SamplingConfig
 
-__all__ = ["GGML_TYPES", "Cancelled", "Device", "DraftModel", "Engine", "EngineConfig", "Generation", "PrefillResult",
-           "SamplingConfig", "Speculation", "check_vocab", "cpu_has_amx", "devices", "gpu_offload_supported",
-           "llama_version", "prime_sampler", "register_rpc", "row_split_supported",
+__all__ = ["GGML_TYPES", "Cancelled", "Device", "DraftModel", "Embedder", "Engine", "EngineConfig", "Generation",
+           "LazyEmbedder", "PrefillResult", "SamplingConfig", "Speculation", "check_vocab", "cpu_has_amx", "devices",
+           "gpu_offload_supported", "llama_version", "prime_sampler", "register_rpc", "row_split_supported",
            "rpc_supported"]

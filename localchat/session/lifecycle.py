@@ -19,8 +19,8 @@ from localchat.runtime import Runtime
 from localchat.session.background import BackgroundWriter
 from localchat.session.fingerprint import ModelHasher
 from localchat.session.kvdisk import GIB, KVDisk, SavedWith
+from localchat.session.memory import Indexer
 from localchat.session.prefixcache import PrefixCache
-from localchat.session.searchindex import Indexer
 from localchat.session.sessiondir import SessionDir, list_sessions
 
 Report = Callable[[str], None]
@@ -210,7 +210,7 @@ class Session:
             if torn:
                 self.report(f"localchat: the transcript's last record was torn (a crash or a full disk); its "
                             f"{torn} bytes were moved to {self.store.transcript.name}{transcript.TORN_SUFFIX}")
-            self.indexer = self.indexer or Indexer()
+            self.indexer = self.indexer or Indexer(self.rt.embedding)
             self.indexer.update(self.store.name)  # off the turn's path, on a thread of its own
 
     def save(self) -> float:

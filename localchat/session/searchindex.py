@@ -16,7 +16,6 @@ import json
 import os
 import re
 import sqlite3
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +24,8 @@ from typing import Any
 from localchat.chat.transcript import parse
 from localchat.fsutil import PRIVATE_FILE
 from localchat.paths import home, private_dir
-from localchat.session.background import lower_priority
 
-FORMAT = "1"
+FORMAT = "2"  # 2: sentence vectors beside the words (session/meaning.py)
 RARE = 20  # a word in more than one row in 20 is not searched beside rarer ones (see `_telling`)
 KINDS = ("question", "answer", "thoughts", "call", "result", "documents")
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -44,6 +42,8 @@ CREATE INDEX rows_session ON rows(session, turn);
 CREATE VIRTUAL TABLE fts USING fts5(text, content='rows', content_rowid='id', tokenize='porter unicode61');
 CREATE VIRTUAL TABLE spelled USING fts5(text, content='rows', content_rowid='id', tokenize='unicode61');
 CREATE VIRTUAL TABLE words USING fts5vocab(spelled, 'row');
+CREATE TABLE vectors(id INTEGER PRIMARY KEY, v BLOB);
+CREATE INDEX vectors_count ON vectors(id);  -- counted without reading the vectors
 """
 
 
@@ -63,6 +63,7 @@ class Hit:
     snippet: str  # the matching words between [ and ]
     score: float
     text: str = ""  # the whole text matched
+    id: int = 0  # the row's
 
     def to_json(self) -> dict[str, Any]:
         return {"session": self.session, "turn": self.turn, "kind": self.kind, "at": self.at,
@@ -113,7 +114,7 @@ class SearchIndex:
     def _connect(self) -> sqlite3.Connection:
         os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, PRIVATE_FILE))  # private before it holds a word
         os.chmod(self.path, PRIVATE_FILE)
-        # transactions by hand (`_writing`): an update reads where it left off inside its own write lock
+        # transactions by hand (`writing`): an update reads where it left off inside its own write lock
         return sqlite3.connect(self.path, timeout=10, check_same_thread=False, isolation_level=None)
 
     def _remake(self) -> sqlite3.Connection:
@@ -129,7 +130,7 @@ class SearchIndex:
 
     # ------------------------------------------------------------ updating
     @contextlib.contextmanager
-    def _writing(self) -> Iterator[None]:
+    def writing(self) -> Iterator[None]:
         """One write transaction, taken before anything is read (two processes never index the same bytes)."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
@@ -152,7 +153,7 @@ class SearchIndex:
         except FileNotFoundError:
             return 0
         added = 0
-        with self._writing():
+        with self.writing():
             offset, turns, started = self._known(session)
             try:
                 with open(transcript, "rb") as f:
@@ -195,11 +196,13 @@ class SearchIndex:
                                            (session, turn)).fetchall():
             self.db.execute("INSERT INTO fts(fts, rowid, text) VALUES ('delete', ?, ?)", (rowid, text))
             self.db.execute("INSERT INTO spelled(spelled, rowid, text) VALUES ('delete', ?, ?)", (rowid, text))
+        self.db.execute("DELETE FROM vectors WHERE id IN (SELECT id FROM rows WHERE session=? AND turn>=?)",
+                        (session, turn))
         self.db.execute("DELETE FROM rows WHERE session=? AND turn>=?", (session, turn))
 
     def remove(self, session: str) -> None:
         """A session's rows gone (`sessions rm`)."""
-        with self._writing():
+        with self.writing():
             self._drop(session, 0)
             self.db.execute("DELETE FROM sessions WHERE name=?", (session,))
 
@@ -217,21 +220,17 @@ class SearchIndex:
                until: str | None = None, kinds: tuple[str, ...] = ("question", "answer", "call", "result",
                                                                     "documents")) -> list[Hit]:
         """The best matches, best first."""
-        where, args = ["fts MATCH ?"], [self._match(query)]
-        for clause, value in (("rows.session = ?", session), ("rows.at >= ?", since), ("rows.at < ?", until)):
-            if value:
-                where.append(clause)
-                args.append(value)
-        where.append(f"rows.kind IN ({','.join('?' * len(kinds))})")
+        where, args = conditions(session, since, until, kinds)
+        where, args = ["fts MATCH ?", *where], [self._match(query), *args]
         sql = (f"SELECT rows.session, rows.turn, rows.kind, rows.at, snippet(fts, 0, '[', ']', '…', 16), "
-               f"bm25(fts), rows.text FROM fts JOIN rows ON rows.id = fts.rowid WHERE {' AND '.join(where)} "
+               f"bm25(fts), rows.text, rows.id FROM fts JOIN rows ON rows.id = fts.rowid WHERE {' AND '.join(where)} "
                f"ORDER BY bm25(fts) LIMIT ?")
         try:
-            found = self.db.execute(sql, [*args, *kinds, limit]).fetchall()
+            found = self.db.execute(sql, [*args, limit]).fetchall()
         except sqlite3.OperationalError:  # FTS5 could not parse it: the words as they are
             args[0] = self._match(" ".join(_WORD.findall(query)), plain=True)
-            found = self.db.execute(sql, [*args, *kinds, limit]).fetchall() if args[0] else []
-        return [Hit(s, t, k, a, snip, -score, text) for s, t, k, a, snip, score, text in found]
+            found = self.db.execute(sql, [*args, limit]).fetchall() if args[0] else []
+        return [Hit(s, t, k, a, snip, -score, text, i) for s, t, k, a, snip, score, text, i in found]
 
     def _match(self, query: str, plain: bool = False) -> str:
         if not plain and _OPERATORS.search(query):
@@ -262,12 +261,15 @@ class SearchIndex:
         return [t for _, t in sorted(near, reverse=True)[:3]]
 
 
-def matches(query: str, limit: int, **filters: Any) -> tuple[list[Hit], str]:
-    """(the best matches over every saved session, each brought up to date first; the line telling of a
-    rebuild, or ""). Raises one of FAILURES."""
-    index = SearchIndex()
-    index.refresh()
-    return index.search(query, limit, **filters), index.notice
+def conditions(session: str | None, since: str | None, until: str | None,
+            kinds: tuple[str, ...]) -> tuple[list[str], list[Any]]:
+    """The SQL conditions on `rows` (and their values) that a search's filters make."""
+    where, args = [], []
+    for clause, value in (("rows.session = ?", session), ("rows.at >= ?", since), ("rows.at < ?", until)):
+        if value:
+            where.append(clause)
+            args.append(value)
+    return [*where, f"rows.kind IN ({','.join('?' * len(kinds))})"], [*args, *kinds]
 
 
 def search_kinds(role: str | None, thoughts: bool = False) -> tuple[str, ...]:
@@ -334,40 +336,3 @@ def _edits(a: str, b: str, most: int) -> int:
             return most + 1
         before, previous = previous, current
     return previous[-1]
-
-
-class Indexer:
-    """Updates the index on a thread of its own at idle priority, one session at a time, after the
-    transcript was written; a missing FTS5 or an unwritable index leaves searching to rebuild it."""
-
-    def __init__(self) -> None:
-        self._pending: list[str] = []
-        self._cond = threading.Condition()
-        self._index: SearchIndex | None = None
-        self._busy = False
-        threading.Thread(target=self._run, name="localchat-index", daemon=True).start()
-
-    def update(self, session: str) -> None:
-        with self._cond:
-            if session not in self._pending:
-                self._pending.append(session)
-            self._cond.notify()
-
-    def wait(self, timeout: float = 30.0) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
-
-    def _run(self) -> None:
-        lower_priority()
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: bool(self._pending))
-                session, self._busy = self._pending.pop(0), True
-            try:
-                self._index = self._index or SearchIndex()
-                self._index.update(session)
-            except FAILURES:
-                self._index = None
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()

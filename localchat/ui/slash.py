@@ -11,9 +11,9 @@ from typing import TextIO
 
 from localchat.chat import attaching, transcript
 from localchat.chat.stats import TurnStats
-from localchat.errors import DocumentError
+from localchat.errors import DocumentError, ModelError
 from localchat.machine import planview
-from localchat.session import prefixcache, searchindex
+from localchat.session import memory, prefixcache, searchindex
 from localchat.session.lifecycle import Session, auto_name
 from localchat.session.sessiondir import SessionDir, list_sessions
 from localchat.settings import SETTING_KEYS
@@ -169,18 +169,18 @@ def _mcp(ctx: CommandContext, arg: str) -> str:
                      f"({s.spec.transport}: {s.spec.where()})" for name, s in hub.servers.items())
 
 
-def _matches(words: str, most: int) -> tuple[list[searchindex.Hit], str]:
+def _matches(ctx: CommandContext, words: str, most: int) -> tuple[list[searchindex.Hit], str]:
     """(the best matches over every saved session, a line to tell first or why there are none)."""
     try:
-        return searchindex.matches(words, most)
-    except searchindex.FAILURES as exc:
+        return memory.matches(words, most, ctx.ctl.rt.embedding)
+    except (*searchindex.FAILURES, ModelError) as exc:
         return [], f"the conversations cannot be searched: {exc}"
 
 
 def _search(ctx: CommandContext, arg: str) -> str:
     if not arg.strip():
         return "usage: /search WORDS (every saved session; localchat search has the filters)"
-    hits, notice = _matches(arg, 8)
+    hits, notice = _matches(ctx, arg, 8)
     lines = ([notice] if notice else []) + searchindex.hit_lines(hits)
     return "\n".join(lines) if hits else "\n".join([*lines, f"no past message matches {arg.strip()!r}"])
 
@@ -188,7 +188,7 @@ def _search(ctx: CommandContext, arg: str) -> str:
 def _recall(ctx: CommandContext, arg: str) -> str:
     if not arg.strip():
         return "usage: /recall WORDS (the best matches go with your next message, for models without tools)"
-    hits, notice = _matches(arg, 5)
+    hits, notice = _matches(ctx, arg, 5)
     if not hits:
         return "\n".join([*([notice] if notice else []), f"no past message matches {arg.strip()!r}; nothing attached"])
     try:
