@@ -22,6 +22,7 @@ from localchat.tools.builtin import READ_ONLY, SIDE_EFFECTS, Toolbox, advance_pr
 from localchat.tools.mcp import Hub
 from localchat.tools.rooted import Root
 from localchat.tools.toolset import ListCache, ToolSet, full_name, schema_tokens
+from localchat.trace import TRACE
 from localchat.ui import approval, status
 
 
@@ -129,6 +130,7 @@ def _chat(args: argparse.Namespace, profile: Profile, hub: Hub | None) -> int:
         for line in attaching.add(rt.chat, args.attach) if args.attach else []:
             _report(line)
         stats_file = open(args.stats_json, "a", encoding="utf-8") if args.stats_json else None
+        TRACE.path = args.trace or TRACE.path
 
         def after_turn(st: TurnStats) -> None:
             ctl.after_turn(st)

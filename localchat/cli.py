@@ -29,6 +29,8 @@ def chat_parser() -> argparse.ArgumentParser:
     setting_args(p, chat=True)
     p.add_argument("--no-think", dest="think", action="store_const", const="off", help="do not think first")
     p.add_argument("--stats-json", metavar="FILE", help="append one JSON object per turn to FILE")
+    p.add_argument("--trace", metavar="FILE", help="append each turn's stages from Enter to the first token, timed, "
+                   "to FILE (as LOCALCHAT_TRACE=FILE does)")
     p.add_argument("--session", metavar="NAME", help="create or resume the named session")
     p.add_argument("-c", "--continue", dest="resume_last", action="store_true", help="resume the most recent session")
     p.add_argument("--no-session", action="store_true", help="keep nothing on disk")

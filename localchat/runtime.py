@@ -68,6 +68,11 @@ class Runtime:
             log.info("threads %s -> %d/%d (%s)", self.engine.threads, choice.decode, choice.batch, choice.why)
             self.engine.set_threads(choice.decode, choice.batch)
 
+    def rescan_children(self) -> None:
+        """Auto threads: this process's children looked for again (between turns: it scans every process)."""
+        if self.threads is not None and self.threads.gauge is not None:
+            self.threads.gauge.rescan()
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one token takes in this context's KV cache (all layers, its K and V types)."""

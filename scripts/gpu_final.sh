@@ -10,13 +10,15 @@
 #   bash scripts/gpu_final.sh document OUTDIR # build + the 8B shape, bench --document 20000 (KVS: f16 q8_0)
 #   bash scripts/gpu_final.sh statecost OUTDIR # build + the 8B shape, a 20,000-token state's way to disk and back
 #   bash scripts/gpu_final.sh tools OUTDIR     # build + the 8B shape, bench --tools against llama-server
+#   bash scripts/gpu_final.sh ui OUTDIR        # build + the 8B shape, bench --typing's stage trace against
+#                                               # llama-server (BEFORE=DIR: an older localchat/ there first)
 #   bash scripts/gpu_final.sh split OUTDIR     # two GPUs (nvidia-h200-x2): the 8B shape on one GPU, split by layer
 #                                               # and by row: plan per device, tokens, speeds, a session moved
 # A phase finds the build and the models of an earlier one on the same machine, else makes them.
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-case $PHASE in decode|document|statecost|split|split2|tools) export MODELS=${MODELS:-8b-gqa};; demo) export MODELS=${MODELS:-tiny};; esac
+case $PHASE in decode|document|statecost|split|split2|tools|ui) export MODELS=${MODELS:-8b-gqa};; demo) export MODELS=${MODELS:-tiny};; esac
 # one model: the build and it fit with the runs (the demo phase brings its own)
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
@@ -68,6 +70,18 @@ case $PHASE in
         --repeat 3 --json "$OUT/document-8b-$kv.json" 2> "$OUT/document-8b-$kv.err" | tee "$OUT/document-8b-$kv.txt"
       echo "document ($kv) at $(( $(date +%s) - t0 )) s"
     done
+    ;;
+  ui)  # the terminal UI's way to the first token: bench --typing with its stage trace beside llama-server (and,
+       # where BEFORE names a folder holding an older localchat/, the same bench with it first), then decode
+    [ -n "${BEFORE:-}" ] && (cd "$BEFORE" && timeout 240 python3 -m localchat bench --typing --profile h200 \
+      --model $M/8b-gqa.gguf --repeat ${REPEAT:-5} --json "$OLDPWD/$OUT/typing-8b-before.json" > /dev/null \
+      2> "$OLDPWD/$OUT/typing-8b-before.err"; echo "typing (before) at $(( $(date +%s) - t0 )) s")
+    timeout 300 python3 -m localchat bench --typing --profile h200 --model $M/8b-gqa.gguf --repeat ${REPEAT:-5} \
+      --peer-server $B/llama-server --json "$OUT/typing-8b.json" > /dev/null 2> "$OUT/typing-8b.err"
+    echo "typing at $(( $(date +%s) - t0 )) s"
+    python3 scripts/trace_table.py "$OUT"/typing-8b*.json; tail -3 "$OUT/typing-8b.err"
+    [ -n "${DECODE:-}" ] && timeout 200 python3 -m localchat bench --decode --profile h200 --model $M/8b-gqa.gguf \
+      --repeat 3 --llama-bench $B/llama-bench --json "$OUT/decode-8b.json" 2> "$OUT/decode-8b.err" | tail -12
     ;;
   tools)
     timeout 300 python3 -m localchat bench --tools --profile h200 --model $M/8b-gqa.gguf --repeat 5 \

@@ -190,3 +190,35 @@ def test_a_short_batch_at_depth_is_padded_on_a_cpu_and_changes_nothing(demo_engi
     assert padded == 24 and plain == 0  # 40 tokens at depth 600 padded to a tile of 64
     for a, b in zip(ours, theirs):  # the tile's arithmetic differs from one query's in the last bits only
         assert a.argmax() == b.argmax() and np.abs(a - b).max() < 1.5
+
+
+def test_on_a_cpu_each_token_is_handed_out_before_the_next_is_evaluated(demo_engine):
+    """llama_decode returns only when a CPU is done: evaluating the next token before handing this one
+    out would hold every token (the first included) back by one step. A GPU computes after it returns,
+    so there the next evaluation starts first."""
+    from localchat.engine import SamplingConfig
+    e = demo_engine
+    assert not e.overlaps  # a CPU build, no offload
+    prompt = e.tokenize("The sky is", special=False, add_bos=True)
+    e.clear()
+    e.prefill(prompt)
+    held_at_text = []
+    gen = Generation(tokens=[])
+    for _ in e.generate(e.make_sampler(SamplingConfig(temperature=0.0)), 4, gen):
+        held_at_text.append(e.n_kv - len(prompt))
+    assert held_at_text == [0, 1, 2, 3]  # the token just handed out is not evaluated yet
+
+
+def test_a_prompt_evaluated_ahead_with_its_logits_is_sampled_without_evaluating_anything(demo_engine):
+    """Work done ahead that ends the prompt with its last token's logits (the message as if sent) leaves
+    the prefill nothing to evaluate; any later evaluation, rewind or shift makes those logits stale."""
+    e = demo_engine
+    prompt = e.tokenize("Why is the sea blue?", special=False, add_bos=True)
+    e.clear()
+    e.advance(prompt[:-3], 64)
+    e.advance(prompt, 64, logits=True)
+    assert e.n_kv == e.logits_end == len(prompt)
+    assert e.prefill(prompt).recomputed == 0
+    e.truncate(len(prompt) - 1)
+    e.advance(prompt, 64)  # no logits asked: the last token's are not kept
+    assert e.logits_end == -1 and e.prefill(prompt).recomputed == 1

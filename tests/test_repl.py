@@ -249,7 +249,8 @@ EDITS = {  # each ends with the same message in the input line
 }
 
 
-def _run(home, session: str, read_ahead: bool, edit: str, model=None, **settings) -> tuple[list[int], list[int], dict]:
+def _run(home, session: str, read_ahead: bool, edit: str, model=None, parts=None,
+         **settings) -> tuple[list[int], list[int], dict]:
     h = Harness(home, session=session, model=model, **settings)
     try:
         h.ctl.chat.read_ahead = read_ahead
@@ -260,7 +261,7 @@ def _run(home, session: str, read_ahead: bool, edit: str, model=None, **settings
             h.type("/undo" + ENTER)
             h.wait(lambda: len(h.ctl.chat.conv.messages) == 2 and h.repl.session.app.is_running)
         h.settle()
-        for part in EDITS[edit]:
+        for part in parts or EDITS[edit]:
             type_slowly(h, part)
         n = len(h.stats)
         h.type(ENTER)
@@ -282,6 +283,32 @@ def test_read_ahead_changes_when_tokens_are_evaluated_never_which(home, demo_pat
     assert st_on["llama_prompt_eval"] < st_off["llama_prompt_eval"]  # less evaluated after Enter
     if edit in ("backspace", "cursor move and insert", "paste that replaces the line", "ctrl-c clears the line"):
         assert st_on["discarded_ahead_tokens"] > 0  # what the edit threw away is counted
+
+
+@pytest.mark.parametrize("words", ["Why?", MESSAGE])
+def test_a_message_left_typed_is_evaluated_as_if_sent_and_enter_evaluates_nothing(home, demo_path, words):
+    """After a pause in typing the message's last word, its end and the reply's header are in the KV with
+    the last token's logits: Enter draws the first token at once. The KV and the greedy reply are those of
+    a chat that reads nothing ahead."""
+    kv_on, reply_on, st_on = _run(home, f"sent-{len(words)}", True, "plain", parts=[words])
+    kv_off, reply_off, st_off = _run(home, f"unsent-{len(words)}", False, "plain", parts=[words])
+    assert kv_on == kv_off and reply_on == reply_off
+    assert st_on["after_enter_tokens"] == 0  # off: all but the head evaluated ahead in any case
+    unread = st_off["new_tokens"] - st_off["idle_tokens"]  # and the reply's last token, never evaluated
+    assert st_off["after_enter_tokens"] in (unread, unread + 1) and unread > 0
+    assert st_on["recomputed_tokens"] == st_off["recomputed_tokens"] <= st_on["new_tokens"] + 1
+
+
+def test_typing_on_after_the_pause_rewinds_the_message_as_if_sent(ui):
+    ui.say("Hello there")
+    ui.settle()
+    type_slowly(ui, "Why is")
+    sent = list(ui.rt.engine.tokens[:ui.rt.engine.n_kv])
+    type_slowly(ui, " the sky blue?")
+    st = ui.say("")
+    assert st["after_enter_tokens"] == 0 and st["discarded_ahead_tokens"] > 0
+    window = ui.ctl.chat.conv.window_tokens()
+    assert window[:len(sent) - 6] == sent[:len(sent) - 6] and sent != window[:len(sent)]  # "is" and its end redone
 
 
 def test_status_bar_and_stats_show_the_tokens_read_ahead(ui):
@@ -389,3 +416,47 @@ def test_replies_print_as_markdown_and_raw_on_request(ui):
     with forced_reply(engine, forced):
         ui.say("Again, please.")
     assert printed[-1].strip() == REPLY_MD
+
+
+# ---------------------------------------------------------------- the trace of the way to the first token
+def _stage_names(line: dict) -> list[str]:
+    times = [ms for _, ms in line["stages"]]
+    assert times == sorted(times) and times[0] == 0.0  # one clock, in the order reached, from Enter
+    return [name for name, _ in line["stages"]]
+
+
+def test_the_terminal_ui_traces_each_stage_from_enter_to_the_first_token_on_screen(home, demo_path, tmp_path,
+                                                                                    monkeypatch):
+    from localchat.trace import TRACE
+    monkeypatch.setattr(TRACE, "path", str(tmp_path / "trace.jsonl"))
+    h = Harness(home)
+    try:
+        st = h.say("Hello there")
+        h.command("/stats")  # a command: no line of its own
+    finally:
+        h.close()
+    line, = [json.loads(x) for x in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    names = _stage_names(line)
+    assert line["mode"] == "terminal" and line["prompt_tokens"] == st["prompt_tokens"]
+    # the message goes to the engine's thread from the key handler, before the prompt is taken down
+    for earlier, later in (("key", "queued"), ("queued", "prompt_returned"), ("queued", "picked"),
+                           ("picked", "prefill_start"), ("prefill_start", "prefill_end"),
+                           ("prefill_end", "first_token"), ("first_token", "first_text"),
+                           ("first_text", "first_shown")):
+        assert names.index(earlier) < names.index(later), names
+    assert abs(line["ttft_ms"] - st["ttft_s"] * 1e3) < 0.1  # the status bar's TTFT: from Enter, as traced
+
+
+def test_line_mode_traces_each_turn_to_the_file_named(home, demo_path, tmp_path):
+    from tests.conftest import run_cli
+    trace, stats = tmp_path / "trace.jsonl", tmp_path / "stats.jsonl"
+    r = run_cli(["--model", str(demo_path), "--no-session", "--max-tokens", "4", "--temperature", "0",
+                 "--trace", str(trace), "--stats-json", str(stats)], stdin="Hello\n/stats\nWhy?\n")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    rows = [json.loads(x) for x in stats.read_text().splitlines()]
+    assert [x["turn"] for x in lines] == [1, 2] and {x["mode"] for x in lines} == {"line"}
+    for line, row in zip(lines, rows):
+        names = _stage_names(line)
+        assert names[:2] == ["key", "turn_start"] and names[-2:] == ["first_token", "first_text"], names
+        assert line["prompt_tokens"] == row["prompt_tokens"] and line["new_tokens"] == row["new_tokens"]

@@ -8,6 +8,7 @@ import math
 from collections import Counter
 
 import llama_cpp as lc
+import pytest
 
 from localchat.chat.turns import Chat, ChatSettings
 from localchat.engine import Generation, SamplingConfig
@@ -115,9 +116,12 @@ def test_undo_resume_and_a_stop_mid_draft_keep_the_kv_exact(demo_engine):
     assert e.tokens == stopped.conv.window_tokens()
 
 
-def test_a_reply_cut_while_its_next_token_is_evaluated_keeps_the_kv_exact(demo_engine):
-    """Without drafts too, the next token's evaluation starts before the text is handed out: a reply
-    cut there keeps its last token evaluated, and the next turn goes on as from a clean prefill."""
+@pytest.mark.parametrize("overlaps", [True, False])
+def test_a_reply_cut_while_its_next_token_is_evaluated_keeps_the_kv_exact(demo_engine, overlaps):
+    """Where the backend computes after llama_decode returns (a GPU), the next token's evaluation starts
+    before the text is handed out: a reply cut there keeps its last token evaluated. On a CPU the text
+    goes first: the cut reply's last token is pending. Either way the next turn goes on as from a clean
+    prefill."""
     e = demo_engine
     chat = _chat(e, "off")
     count = [0]
@@ -126,13 +130,18 @@ def test_a_reply_cut_while_its_next_token_is_evaluated_keeps_the_kv_exact(demo_e
         count[0] += 1
         return count[0] > 5
 
-    # a short chat: llama.cpp's arithmetic is then the same for a batch as for single tokens (README: Speed)
-    assert chat.turn("Say hello to my friend Tom.", cancelled=cancel_soon).cut
-    _kv_consistent(e)
-    assert e.n_kv == len(e.tokens) == len(chat.conv.window_tokens())  # shown, evaluated, kept
-    cut_conv = copy.deepcopy(chat.conv)
-    st = chat.turn("Name three colours.")
-    assert st.cached_tokens == len(cut_conv.window_tokens())  # the cut reply's last token is not evaluated again
+    e.overlaps = overlaps  # the GPU's order on this CPU: the same tokens, only the text comes later
+    try:
+        # a short chat: llama.cpp's arithmetic is then the same for a batch as for single tokens (README: Speed)
+        assert chat.turn("Say hello to my friend Tom.", cancelled=cancel_soon).cut
+        _kv_consistent(e)
+        held = len(chat.conv.window_tokens()) - (not overlaps)
+        assert e.n_kv == held and len(e.tokens) == len(chat.conv.window_tokens())  # shown, kept; evaluated
+        cut_conv = copy.deepcopy(chat.conv)
+        st = chat.turn("Name three colours.")
+        assert st.cached_tokens == held  # an evaluated last token is not evaluated again
+    finally:
+        e.overlaps = False
     fresh = _chat(e, "off")
     fresh.adopt(cut_conv)
     fresh.turn("Name three colours.")

@@ -17,12 +17,16 @@ once (the remainder done first, counted), and with the history kept as sampled.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
 from typing import Any
 
-from localchat import runtime
+from localchat import runtime, trace
 from localchat.bench.modes import text_of
 from localchat.bench.peer import PeerServer
 from localchat.bench.scriptedterm import ScriptedTerminal
@@ -32,6 +36,7 @@ from localchat.chatformat import reasoning
 from localchat.chatformat.templates import ChatFormat
 from localchat.engine import Engine, Generation
 from localchat.session.lifecycle import Session
+from localchat.trace import TRACE
 
 THINK_TEMPLATE = (  # ChatML that drops the thoughts of earlier replies, as Qwen3's template does
     "{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}"
@@ -101,7 +106,21 @@ def _paste_then_type(ui: ScriptedTerminal, paste: str, question: str, cps: float
     ui.keys(question, cps)
 
 
+def _traced() -> Callable[[], dict[str, Any] | None]:
+    """The trace on (to the file LOCALCHAT_TRACE names, else a temporary one): the last turn's line."""
+    if not TRACE.on:
+        fd, TRACE.path = tempfile.mkstemp(prefix="localchat-trace-", suffix=".jsonl")
+        os.close(fd)
+    path = Path(TRACE.path or "")
+
+    def last() -> dict[str, Any] | None:
+        lines = path.read_text().splitlines() if path.exists() else []
+        return json.loads(lines[-1]) if lines else None
+    return last
+
+
 def run_typing(profile: Any, args: Any, report: Callable[[str], None]) -> dict[str, Any]:
+    last_trace = _traced()
     rt = runtime.open_runtime(profile, report)
     ctl = Session(rt, None, report, autosave=False, background=True)
     rt.chat.conv.system = text_of(rt.engine, args.system_tokens, "system")
@@ -125,7 +144,7 @@ def run_typing(profile: Any, args: Any, report: Callable[[str], None]) -> dict[s
             type_it()
             ui.quiet()
             st = ui.enter()
-            rows.append(_row(label, st))
+            rows.append(_row(label, st) | {"trace": last_trace()})
             prompts.setdefault(label, rt.chat.conv.window_tokens()[:st.prompt_tokens])
             ui.quiet()
             ui.command("/undo")
@@ -139,6 +158,7 @@ def run_typing(profile: Any, args: Any, report: Callable[[str], None]) -> dict[s
             case("paste 2000 + question, read-ahead off", False, lambda: _paste_then_type(ui, paste, question, 0))
     finally:
         ui.close()
+    rows += _line_mode_word(ctl, max(1, args.repeat), last_trace)
     result: dict[str, Any] = {"rows": rows, "history_tokens": len(before), "cps": args.cps}
     if args.peer_server:
         result["server"] = _server(args.peer_server, rt.engine, before, prompts, max(1, args.repeat))
@@ -147,10 +167,27 @@ def run_typing(profile: Any, args: Any, report: Callable[[str], None]) -> dict[s
         r["case"] for r in rows)}
     one = med["one word"] or 1e-9
     result["ttft_median_s"] = med
+    result["stages_median_ms"] = {label: trace.summary([r["trace"] for r in rows if r["case"] == label and r["trace"]])
+                                  for label in med}
     result["ratios_to_one_word"] = {label: round(v / one, 2) for label, v in med.items()}
     result["discarded_ahead_tokens"] = {label: sum(r["discarded_ahead_tokens"] for r in rows if r["case"] == label)
                                         for label in med}
     return result
+
+
+def _line_mode_word(ctl: Session, repeat: int, last_trace: Callable[[], dict[str, Any] | None]) -> list[dict]:
+    """The one-word turn as line mode takes it (the session's turn on this thread, no terminal UI), each
+    from the same state: the next head warmed first, as line mode's after_turn warms it."""
+    ctl.background, rows = False, []
+    for _ in range(repeat):
+        ctl.chat.warm_next_head()
+        TRACE.mode = "line"
+        TRACE.begin()
+        st = ctl.turn("Why?")
+        TRACE.end()
+        rows.append(_row("one word, line mode", st) | {"trace": last_trace()})
+        ctl.chat.undo()
+    return rows
 
 
 def _server(path: str, engine: Engine, before: list[int], prompts: dict[str, list[int]], repeat: int) -> dict:

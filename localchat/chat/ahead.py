@@ -3,8 +3,10 @@
 After a reply the KV is brought to what the next turn will need: the history in the official
 template form (`official`), then the next turn's head (the reply's closing and the user header),
 then the message as it is being typed (read-ahead: the words before the last word boundary, which
-more typing cannot change). Each step evaluates one small batch (about 50 ms), so Enter waits at
-most one batch. Nothing here changes which tokens a turn evaluates, only when: the turn's prefill
+more typing cannot change), and, once the typing pauses, the message as if sent: its last word, its
+end and the reply's header, with the last token's logits kept, so that Enter has nothing left to
+evaluate before the first token is drawn. Each step evaluates one small batch (about 50 ms), so Enter
+waits at most one batch. Nothing here changes which tokens a turn evaluates, only when: the turn's prefill
 keeps what matches and evaluates the rest, so the KV after Enter is what it would have been.
 """
 
@@ -35,10 +37,13 @@ class ChatView(Protocol):
     def history_mode(self) -> str: ...
     def template_tokens(self, text: str, first: bool = False) -> list[int]: ...
     def head_tokens(self) -> list[int]: ...
+    def message_body(self, text: str) -> list[int]: ...
     def result_written(self, text: str) -> str: ...
 
 
 STEP_SECONDS = 0.05  # one batch of idle work: what Enter may have to wait for
+PAUSE_S = 0.3  # a pause in typing after which the message is evaluated as if sent, where that is not cheap
+CHEAP_S = 0.01  # evaluating the message's tail as if sent costs less than this: done at every keystroke
 _WHITESPACE = (" ", "\n", "\t")
 
 
@@ -65,6 +70,8 @@ class Ahead:
         self.failed = ""  # why the official form could not be laid out, until it is told
         self.told_failure = False  # once per chat is enough
         self.relayouts = 0  # how often the history took a new form: a state saved before is stale
+        self.typed_at = 0.0  # when the message being typed last changed (monotonic)
+        self._sent_form: tuple[str, list[int]] = ("", [])  # a typed text and its tokens as if sent
 
     # ------------------------------------------------------------ state
     def invalidate(self) -> None:
@@ -77,7 +84,8 @@ class Ahead:
         return failure
 
     def set_typed(self, text: str) -> None:
-        self.typed = text
+        if text != self.typed:
+            self.typed, self.typed_at = text, time.monotonic()
 
     def end_turn(self) -> None:
         self.relayouted, self.canonicalized, self.discarded = False, 0, 0
@@ -160,9 +168,40 @@ class Ahead:
         self.typed_tokens = (docs + words)[:self._typed_cap()]
         return (self.base + self.typed_tokens)[:max(0, chat.engine.n_ctx - 2)][:upto]
 
+    def _as_sent(self) -> list[int]:
+        """The prompt Enter would make of the message typed now ([] where there is none to make)."""
+        chat, text = self.chat, self.typed
+        if not (chat.read_ahead and text.strip() and not text.startswith("/")):
+            return []
+        if self._sent_form[0] != text:
+            self._sent_form = (text, self.base + chat.message_body(text))
+        prompt = self._sent_form[1]
+        room = min(self._typed_cap() + len(self.base), chat.engine.n_ctx) - 2
+        return prompt if len(prompt) <= room else []
+
+    def _sent_due_in(self, prompt: list[int]) -> float:
+        """Seconds until the message is evaluated as if sent: at once where its tail is cheap, else after
+        a pause in typing (on a CPU every keystroke would throw that work away)."""
+        tail = len(prompt) - self.chat.engine.common_prefix(prompt)
+        if tail / self.tokens_per_s < CHEAP_S:
+            return 0.0
+        return max(0.0, self.typed_at + PAUSE_S - time.monotonic())
+
+    def due_in(self) -> float | None:
+        """Seconds until idle work falls due that is not due now (the message as if sent), else None."""
+        prompt = self._as_sent() if self.planned else []
+        if not prompt or self._holds_sent(prompt):
+            return None
+        wait = self._sent_due_in(prompt)
+        return wait if wait > 0 else None
+
+    def _holds_sent(self, prompt: list[int]) -> bool:
+        e = self.chat.engine
+        return e.n_kv == len(prompt) == e.logits_end and e.common_prefix(prompt) == len(prompt)
+
     def step(self, typed: bool = True, upto: int | None = None) -> bool:
         """One batch of idle work (with typed=False: the history and the head only; `upto`: the KV's goal
-        cut there); False when the KV already holds everything there is to do."""
+        cut there); False when the KV already holds everything there is to do now."""
         if not self.planned:
             self.plan()
             return True
@@ -174,9 +213,14 @@ class Ahead:
         if lost or (not typed and held == len(self.base)):
             return False
         target = self._target(upto) if typed else self.base
+        sent = self._as_sent() if typed and upto is None else []
+        if sent and self._holds_sent(sent):
+            return False  # the message as if sent is in the KV, its logits ready: Enter samples at once
+        if sent and sent[:len(target)] == target and self._sent_due_in(sent) == 0:
+            target = sent  # the read-ahead and the rest of the message (where they differ, the read-ahead alone)
         start = e.common_prefix(target)
         t0 = time.perf_counter()
-        n, rewound = e.advance(target, max(1, int(self.tokens_per_s * STEP_SECONDS)))
+        n, rewound = e.advance(target, max(1, int(self.tokens_per_s * STEP_SECONDS)), logits=target is sent)
         if n >= 4:
             self.tokens_per_s = 0.7 * self.tokens_per_s + 0.3 * n / max(time.perf_counter() - t0, 1e-6)
         self.discarded += max(0, start + rewound - max(start, self.history_end + len(self.head)))
@@ -212,5 +256,5 @@ class Ahead:
         head_part = min(early, max(0, history_end + head_len - own_from))
         st.cached_tokens = pre.cached - early
         st.recomputed_tokens = pre.recomputed - in_turn_canon + early
-        st.extra.update(idle_tokens=head_part, read_ahead_tokens=early - head_part,
+        st.extra.update(idle_tokens=head_part, read_ahead_tokens=early - head_part, after_enter_tokens=pre.recomputed,
                         discarded_ahead_tokens=self.discarded, canonicalized_tokens=self.canonicalized + in_turn_canon)

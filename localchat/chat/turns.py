@@ -20,6 +20,7 @@ from localchat.chatformat.toolcalls import Found, ToolCall, ToolFormat
 from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig, Speculation, prime_sampler
 from localchat.errors import ContextFullError, ToolsUnsupported
 from localchat.settings import default
+from localchat.trace import TRACE
 
 TextSink = Callable[[str], None]
 Progress = Callable[[int, int], None]
@@ -270,6 +271,10 @@ class Chat:
         """The next turn's head as the template's delta gives it."""
         return self._delta("")[0]
 
+    def message_body(self, text: str) -> list[int]:
+        """What a message of `text` adds after the head: attached documents, its words, the reply's header."""
+        return self._delta(text)[1]
+
     def _past_reply(self, closing: str) -> str:
         """The template text that follows the last reply, less what its sampled end token already wrote
         (`_settle_reply` keeps that token only where the text starts with it)."""
@@ -317,15 +322,19 @@ class Chat:
         st = TurnStats(turn=self.conv.turns + 1, n_ctx=e.n_ctx, kv_restored=inputs.kv_restored)
         self.prepare()
         laid = self._lay_out(text, st, inputs)
+        TRACE.stamp("laid_out")
         if on_message is not None:
             on_message()
+        TRACE.stamp("message_written")
         prompt = self.conv.window_tokens()
         n_kv_before = e.n_kv
         e.reset_perf()
         gen = Generation(tokens=[])
         st.prompt_tokens = len(prompt)
         try:
+            TRACE.stamp("prefill_start")
             pre = self._prefill(prompt, progress, cancelled, on_prefix, laid.stops)
+            TRACE.stamp("prefill_end")
         except Cancelled:
             self._record(self.conv.add_reply("", [], cut=True))
             st.stop_reason, st.cut = "cancelled", True

@@ -22,6 +22,7 @@ from localchat.engine.stepcost import StepCost
 from localchat.engine.types import Cancelled, EngineConfig, Generation, PrefillResult, SamplingConfig
 from localchat.engine.vocab import VocabText
 from localchat.errors import DamagedModel, ModelError
+from localchat.trace import TRACE
 
 FA_TILE = 64  # queries per tile of llama.cpp's CPU flash attention (GGML_FA_TILE_Q)
 
@@ -64,9 +65,13 @@ class Engine(VocabText):
         self._pads = (config.n_gpu_layers == 0 and config.flash_attn and not self.n_swa
                       and not lc.llama_model_is_recurrent(self.model) and not lc.llama_model_is_hybrid(self.model))
         self.padded = 0  # padding tokens evaluated since reset_perf
-        self.step_cost = StepCost(gpu=config.n_gpu_layers != 0 and bool(lc.llama_supports_gpu_offload()))
+        # a GPU computes after llama_decode returns: the next token's evaluation can start before the text
+        # is handed out; on the CPU llama_decode returns when it is done, so the text goes first
+        self.overlaps = config.n_gpu_layers != 0 and bool(lc.llama_supports_gpu_offload())
+        self.step_cost = StepCost(gpu=self.overlaps)
         self.tokens: list[int] = []  # the token-canonical history this context holds
         self.n_kv = 0  # how many of self.tokens are evaluated into the KV (the rest are pending)
+        self.logits_end = -1  # the KV length whose last token's logits llama.cpp holds now (-1: none)
         self._piece_buf = ctypes.create_string_buffer(256)
 
     # ------------------------------------------------------------------ vocabulary
@@ -85,6 +90,7 @@ class Engine(VocabText):
         """Drop KV beyond n tokens; on an unsafe sliding-window rewind drop all. True if kept."""
         if n >= self.n_kv:
             return True
+        self.logits_end = -1
         if self.can_rewind_to(n) and lc.llama_memory_seq_rm(self.mem, SEQ, n, -1):
             self.n_kv = n
             return True
@@ -99,7 +105,7 @@ class Engine(VocabText):
 
     def clear(self) -> None:
         lc.llama_memory_clear(self.mem, True)
-        self.tokens, self.n_kv = [], 0
+        self.tokens, self.n_kv, self.logits_end = [], 0, -1
 
     def shift_out(self, start: int, count: int) -> None:
         """Remove tokens [start, start+count) and slide the rest down, recomputing nothing."""
@@ -112,6 +118,7 @@ class Engine(VocabText):
         lc.llama_memory_seq_add(self.mem, SEQ, end, -1, -count)
         del self.tokens[start:end]
         self.n_kv -= count
+        self.logits_end = -1
 
     # ------------------------------------------------------------------ evaluation
     def _padding(self, n: int, pos: int) -> int:
@@ -137,6 +144,7 @@ class Engine(VocabText):
         if want_logits:
             b.logits[real - 1] = 1
         b.n_tokens = n
+        self.logits_end = start_pos + real if want_logits and not all_logits else -1
         rc = lc.llama_decode(self.ctx, b)
         if rc != 0:
             raise ModelError(f"llama_decode failed (code {rc}): the KV cache is full or out of memory")
@@ -152,7 +160,9 @@ class Engine(VocabText):
             raise ModelError(f"the prompt ({len(prompt)} tokens) is larger than the context ({self.n_ctx})")
         same = self.common_prefix(prompt)
         first_diff = same if same < self.n_kv else -1
-        keep = min(same, len(prompt) - 1)  # the last prompt token is always evaluated for its logits
+        # the last prompt token is evaluated for its logits, unless they are those of the work done ahead
+        ready = same == len(prompt) == self.n_kv == self.logits_end
+        keep = len(prompt) if ready else min(same, len(prompt) - 1)
         refused = keep < self.n_kv and not self.can_rewind_to(keep)
         if not self._truncate_kv(keep):
             keep = 0
@@ -181,9 +191,10 @@ class Engine(VocabText):
             same += 1
         return same
 
-    def advance(self, target: list[int], max_tokens: int) -> tuple[int, int]:
-        """Bring the KV one batch closer to holding `target`, no logits (work done while the user is not
-        waiting): rewind to the common prefix, then evaluate at most `max_tokens` more of it.
+    def advance(self, target: list[int], max_tokens: int, logits: bool = False) -> tuple[int, int]:
+        """Bring the KV one batch closer to holding `target` (work done while the user is not waiting):
+        rewind to the common prefix, then evaluate at most `max_tokens` more of it; with `logits`, the
+        batch that ends it keeps the last token's logits, for a prefill of just `target` to sample from.
         Returns (tokens evaluated, tokens rewound); a rewind the sliding window forbids empties the KV."""
         same = self.common_prefix(target)
         rewound = self.n_kv - same
@@ -191,7 +202,7 @@ class Engine(VocabText):
             rewound = same + rewound  # everything was dropped
         chunk = target[self.n_kv:self.n_kv + max(0, min(max_tokens, self.config.n_batch, self.n_ctx - self.n_kv))]
         if chunk:
-            self._decode(chunk, self.n_kv, want_logits=False)
+            self._decode(chunk, self.n_kv, want_logits=logits and self.n_kv + len(chunk) == len(target))
             self.synchronize()  # done within this step, and booked in llama.cpp's counters now
         # one assignment: a pending sampled token is replaced by what was evaluated in its place
         self.tokens[self.n_kv:] = chunk
@@ -241,6 +252,8 @@ class Engine(VocabText):
                 evaluated = bool(ahead)  # a kept draft token; the last one drawn is pending like any
                 gen.last_token_at = top
                 gen.first_token_at = top if i == 0 else gen.first_token_at
+                if i == 0:
+                    TRACE.stamp("first_token")
                 self.tokens.append(tok)
                 gen.tokens.append(tok)
                 if self.is_eog(tok):
@@ -248,7 +261,8 @@ class Engine(VocabText):
                     return
                 text = decoder.decode(self.piece(tok))
                 room = self.n_ctx - self.n_kv - 2
-                if not (evaluated or inject or i == max_tokens - 1 or room < 0):
+                steps = not (evaluated or inject or i == max_tokens - 1 or room < 0)
+                if steps and self.overlaps:
                     # the next evaluation starts before the text is handed out: a GPU computes while the UI draws
                     ahead, step = self._step(tok, draw, spec, min(room, max_tokens - 2 - i), top)
                     started = True
@@ -261,6 +275,9 @@ class Engine(VocabText):
                     gen.stop_reason = "cancelled"
                     return
                 if evaluated or started:
+                    continue
+                if steps and spec:  # on the CPU the evaluation would hold the text back: it comes after
+                    ahead, step = self._step(tok, draw, spec, min(room, max_tokens - 2 - i), top)
                     continue
                 step = (top, 1, 0)
                 if (yield from self._evaluate_one(tok, inject, room, gen, decoder)):
@@ -341,7 +358,7 @@ class Engine(VocabText):
     def load_state(self, data: bytes | bytearray | memoryview, tokens: list[int]) -> bool:
         """Restore a KV copied by state_bytes; the caller has verified it belongs here."""
         lc.llama_memory_clear(self.mem, True)
-        self.tokens, self.n_kv = [], 0
+        self.tokens, self.n_kv, self.logits_end = [], 0, -1
         view = memoryview(data)
         buf = (ctypes.c_uint8 * len(view)).from_buffer(view) if not view.readonly else \
             (ctypes.c_uint8 * len(view)).from_buffer_copy(view)

@@ -83,7 +83,17 @@ class LoadGauge:
 
     def __init__(self) -> None:
         self._me = psutil.Process()
+        self._children: list[psutil.Process] = []
+        self.rescan()
         self._last = self._now()
+
+    def rescan(self) -> None:
+        """Find this process's children again: a scan of every process on the machine (milliseconds where
+        there are hundreds), so it runs between turns, never at a reading."""
+        try:
+            self._children = self._me.children(recursive=True)
+        except psutil.Error:
+            pass
 
     def _now(self) -> tuple[float, float, float]:
         t = psutil.cpu_times()
@@ -94,7 +104,7 @@ class LoadGauge:
         """CPU time of this process and its children (the template renderer is ours too), live or reaped."""
         own = self._me.cpu_times()
         total = own.user + own.system + own.children_user + own.children_system
-        for child in self._me.children(recursive=True):
+        for child in self._children:
             try:
                 t = child.cpu_times()
                 total += t.user + t.system

@@ -22,6 +22,7 @@ from localchat.session.kvdisk import GIB, KVDisk, SavedWith
 from localchat.session.memory import Indexer
 from localchat.session.prefixcache import PrefixCache
 from localchat.session.sessiondir import SessionDir, list_sessions
+from localchat.trace import TRACE
 
 Report = Callable[[str], None]
 
@@ -112,11 +113,14 @@ class Session:
         loaded from disk is part of the wait for the first token. The user's message is on disk (fsynced)
         before its reply starts: a kill -9 mid-reply keeps it."""
         started = time.perf_counter() if started is None else started
+        TRACE.stamp("turn_start")
         self.rt.refit_threads()  # other programs may have started or stopped since the last turn
+        TRACE.stamp("threads_refit")
         cache, chat = self.prefix_cache, self.chat
         on_prefix = None
         if cache is not None:
             cache.load(chat)
+            TRACE.stamp("prefix_checked")
             names, prefix_len = [d.name for d in chat.docs.pending], len(chat.conv.prefix)
             on_prefix = lambda tokens, seconds: cache.snapshot(  # noqa: E731
                 tokens, seconds, names if len(tokens) > prefix_len else [])
@@ -128,6 +132,8 @@ class Session:
         if spec and draft:  # what the draft model wrote, and evaluated to follow the context (rebuilds included)
             st.extra["draft_model_tokens"] = spec.model_drafted - before[0]
             st.extra["draft_model_evaluated"] = draft.evaluated - before[1]
+        TRACE.note(prompt_tokens=st.prompt_tokens, new_tokens=st.new_tokens, recomputed_tokens=st.recomputed_tokens,
+                   ttft_ms=round(st.ttft_s * 1e3, 3))
         return st
 
     def retry(self, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None) -> TurnStats | None:
@@ -150,8 +156,10 @@ class Session:
         self._next = replace(self._next, kv_restored=True)
 
     def after_turn(self, st: TurnStats) -> None:
-        """Persist the transcript now (fsync); the KV when its copy fits the autosave budget."""
+        """Persist the transcript now (fsync); the KV when its copy fits the autosave budget. This process's
+        children (their CPU time is ours to the auto threads) are looked for here: it scans every process."""
         self.flush_events()
+        self.rt.rescan_children()
         if st.kv_restored and st.cache_miss:
             self.report(f"localchat: the restored KV was not reused: {st.recomputed_tokens} tokens recomputed")
         if st.recomputed_tokens >= 64 and st.prefill_s > 0:

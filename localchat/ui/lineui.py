@@ -12,6 +12,7 @@ from typing import Any, TextIO
 from localchat.chat.stats import TurnStats
 from localchat.errors import LocalchatError, TemplateFailure
 from localchat.session.lifecycle import Session
+from localchat.trace import TRACE
 from localchat.ui import slash, status
 from localchat.ui.hangup import Ending, Hangup
 
@@ -85,6 +86,7 @@ class _Output:
         self.end_thoughts()
         self.stdout.write(text)
         self.stdout.flush()
+        TRACE.stamp("first_text")
 
     def think(self, text: str) -> None:
         self.stderr.write(text)
@@ -107,7 +109,9 @@ def _line(ctl: Session, line: str, after_turn: Callable[[TurnStats], None], out:
             if line.startswith("/"):
                 result = slash.dispatch(slash.CommandContext(ctl, out.emit, cancelled), line)
             else:
+                TRACE.begin()
                 result = ctl.turn(line, out.emit, cancelled, on_thought=out.think if show_reasoning else None)
+                TRACE.end()
         except slash.Quit:
             return 0
         except TemplateFailure as exc:

@@ -29,6 +29,7 @@ from prompt_toolkit.layout.controls import BufferControl, FormattedTextControl
 from prompt_toolkit.output import Output
 from prompt_toolkit.styles import Style
 
+from localchat.trace import TRACE
 from localchat.ui import approval
 from localchat.ui.status import BarState
 
@@ -90,6 +91,7 @@ class LiveReply:
 
     # the engine's thread calls these
     def emit(self, text: str) -> None:
+        TRACE.stamp("first_text")
         self.reply += text
         self.bar.phase = "generating"
         self.bar.live_tokens += 1
@@ -125,6 +127,7 @@ class LiveReply:
                 out += [("class:thought", f"thinking... {self.thought_pieces} tokens (/think show shows them)")]
         tail = self.reply[-LIVE_CHARS:]
         if tail:
+            TRACE.stamp("first_shown")
             cut = tail.find("\n\n") if len(self.reply) > LIVE_CHARS else -1  # start at a block boundary
             tail = tail[cut + 2:] if cut >= 0 else tail
             out += _tail_rows(self._rendered(tail) if self.rendered else [("", tail)], LIVE_ROWS)
@@ -217,8 +220,10 @@ class LiveReply:
             Window(BufferControl(typeahead), height=1),
             Window(FormattedTextControl(self._toolbar), height=1, style="class:bottom-toolbar"),
         ]), focused_element=typeahead)
+        # the reply's redraws are spaced by `_invalidate`; the application's own spacing would hold the first
+        # text back until REDRAW_INTERVAL after the view was first drawn (at Enter): up to 250 ms on screen
         app: Application = Application(layout=layout, key_bindings=kb, style=STYLE, input=input, output=output,
-                                       erase_when_done=True, min_redraw_interval=REDRAW_INTERVAL)
+                                       erase_when_done=True)
         self.app = app
         loop = asyncio.get_running_loop()
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(lambda: app.exit() if app.is_running else None))

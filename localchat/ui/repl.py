@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TextIO
 
 from prompt_toolkit import PromptSession
@@ -30,11 +31,14 @@ from prompt_toolkit.shortcuts import print_formatted_text
 from localchat.chat.stats import TurnStats
 from localchat.errors import LocalchatError
 from localchat.session.lifecycle import Session
+from localchat.trace import TRACE
 from localchat.ui import approval, hangup, slash, status
 from localchat.ui.liveview import STYLE, LiveReply
 from localchat.ui.scheduler import Scheduler
 
 AfterTurn = Callable[[TurnStats], None]
+Job = Callable[[Callable[[str], None], Callable[[], bool], Callable[[int, int], None]], "slash.Outcome | None"]
+SWITCH_S = 0.0001  # seconds a thread holds the GIL before one waiting for it gets it
 
 
 def bar_state(ctl: Session) -> status.BarState:
@@ -62,6 +66,10 @@ class Repl:
     def __init__(self, ctl: Session, after_turn: AfterTurn, input: Input | None = None,
                  output: Output | None = None, view: status.ViewPrefs | None = None,
                  asking: approval.Asking | None = None):
+        # the engine's thread waits for the GIL each time llama.cpp or a read of /proc returns, while this
+        # thread draws the live view: Python's default 5 ms hand-over was most of the UI's cost before the
+        # first token (bench --typing's trace, H200); 0.1 ms costs the drawing nothing it would notice
+        sys.setswitchinterval(SWITCH_S)
         self.ctl, self.after_turn = ctl, after_turn
         self.asking = asking  # where the tools' approver waits for the user (None: no tools, or none asked)
         self.view = view or status.ViewPrefs()
@@ -77,6 +85,18 @@ class Repl:
         self.ending = 0  # SIGHUP or SIGTERM asked the chat to end: the reply in flight stops, then the loop
         self.session: PromptSession = self._prompt_session()
         self.session.default_buffer.on_text_changed += self._typed_changed
+        self.entered = 0.0  # when Enter was handled: the TTFT runs from here, the prompt's own teardown included
+        self._early: tuple[str, LiveReply, Future] | None = None  # the turn sent at Enter, for the loop to show
+        accept = self.session.default_buffer.accept_handler
+
+        def entered(buffer: Buffer) -> bool:
+            self.entered = time.perf_counter()
+            TRACE.begin(self.entered)
+            self._send_early(buffer.text)
+            return bool(accept(buffer)) if accept is not None else False
+
+        self.session.default_buffer.accept_handler = entered
+        TRACE.mode = "terminal"
         if asking is not None:
             asking.cancelled = self.cancel.is_set  # Ctrl-C while asked: denied, and the loop stops
             asking.on_ask = lambda request: self.live.ask(lambda text: self.print(text, "class:info"), request)
@@ -109,24 +129,41 @@ class Repl:
         print_formatted_text(FormattedText([(style, text)]), style=STYLE, output=self.output)
 
     # ------------------------------------------------------------ a turn
-    async def _run_turn(self, job: Callable[[Callable[[str], None], Callable[[], bool], Callable[[int, int], None]],
-                                            slash.Outcome | None],
-                        typeahead: Buffer) -> slash.Outcome | None:
-        """Run job on the engine's thread under a live view, then after_turn there for a reply it made;
-        Ctrl-C stops it and keeps what came."""
+    def _queue_turn(self, job: Job, typed: str) -> tuple[LiveReply, Future]:
+        """Hand job to the engine's thread, under a live view made for it; after_turn there for a reply it made."""
         self.bar.phase, self.bar.live_tokens = "prefill", 0
         self.cancel.clear()
         live = self.live = LiveReply(self.bar, self._toolbar, rendered=self.view.markdown,
                                      show_thoughts=self.view.show_thoughts, asking=self.asking)
 
         def work() -> slash.Outcome | None:
+            TRACE.stamp("picked")
             out = job(live.emit, self.cancel.is_set, live.progress)
             if isinstance(out, TurnStats):
                 self.after_turn(out)  # the transcript, before any idle work changes the KV
             return out
 
+        TRACE.stamp("queued")
+        return live, self.scheduler.call(work, typed=typed)  # first: the live view is built meanwhile
+
+    def _send_early(self, line: str) -> None:
+        """At Enter, a message's turn goes to the engine's thread at once, while the prompt is still
+        being taken down (what the loop would do with the line a moment later)."""
+        self._early = None
+        editing = self.asking is not None and self.asking.editing
+        if line.strip() and not line.startswith("/") and not editing and not self.queued \
+                and self.scheduler.idle_error is None:
+            self._early = (line, *self._queue_turn(self._turn_job(line, self.entered), ""))
+
+    def _turn_job(self, line: str, entered: float) -> Job:
+        return functools.partial(self.ctl.turn, line, started=entered, on_thought=self._thought_sink)
+
+    async def _run_turn(self, job: Job, typeahead: Buffer, line: str = "") -> slash.Outcome | None:
+        """Run job on the engine's thread under a live view (the turn sent at Enter, where it is `line`'s);
+        Ctrl-C stops it and keeps what came."""
+        early, self._early = self._early, None
+        live, future = early[1:] if early is not None and early[0] == line else self._queue_turn(job, typeahead.text)
         typeahead.on_text_changed += self._typed_changed
-        future = self.scheduler.call(work, typed=typeahead.text)  # first: the live view is built meanwhile
         await live.run(future, typeahead, self.cancel.set, self.input, self.output)
         self.view.show_thoughts = live.show_thoughts  # Ctrl-T during the reply sticks
         self.bar.phase, self.bar.notice = "", ""
@@ -136,6 +173,8 @@ class Repl:
         print_formatted_text(FormattedText(fragments), style=STYLE, output=self.output)
 
     def _show_reply(self, st: TurnStats | None) -> None:
+        if self.live.reply:
+            TRACE.stamp("first_shown")  # a reply shorter than the live view's first redraw: shown here
         for fragments, _ in self.live.printed():
             self.print_fragments(fragments)
         self.reply = self.live.reply
@@ -196,6 +235,7 @@ class Repl:
         while not self.ending:
             if self.queued:  # sent with Enter while the last reply streamed: it goes now
                 line, entered = self.queued.pop(0), time.perf_counter()
+                TRACE.begin(entered)
                 self.print("> " + line, "class:prompt")
                 self.session.history.append_string(line)
             else:
@@ -207,7 +247,8 @@ class Repl:
                 except KeyboardInterrupt:
                     pending = ""
                     continue
-                entered = time.perf_counter()  # the TTFT runs from Enter, a batch of idle work in flight included
+                entered = self.entered or time.perf_counter()  # a batch of idle work in flight included
+                TRACE.stamp("prompt_returned")
             pending = ""
             if not line.strip():
                 continue
@@ -218,13 +259,13 @@ class Repl:
                     if out:
                         self.print(out, "class:info")
                 else:
-                    error = self.scheduler.take_error()
+                    error = self.scheduler.take_error() if self._early is None else None
                     if error is not None:  # the idle work met it (the template failed): this turn ends with it
                         raise error
-                    st = await self._run_turn(functools.partial(self.ctl.turn, line, started=entered,
-                                                                on_thought=self._thought_sink), typeahead)
+                    st = await self._run_turn(self._turn_job(line, entered), typeahead, line)
                     if isinstance(st, TurnStats):
                         self._finish_turn(st)
+                    TRACE.end()
             except slash.Quit:
                 break
             except LocalchatError as exc:

@@ -46,6 +46,10 @@ class Scheduler:
             self._cond.notify()
         return future
 
+    @property
+    def idle_error(self) -> Exception | None:
+        return self._idle_error
+
     def take_error(self) -> Exception | None:
         """An error the idle work met (a template that fails on the longer history), once; the UI ends
         the next turn with it."""
@@ -76,8 +80,11 @@ class Scheduler:
         while True:
             with self._cond:
                 while not self._requests and not self._wake and not self._stop:
-                    self._quiet.set()
-                    self._cond.wait()
+                    due = self.ctl.chat.ahead.due_in()  # work that falls due later (the message as if sent)
+                    if due is None:
+                        self._quiet.set()
+                    if not self._cond.wait(due) and due is not None:
+                        self._wake = True
                 self._quiet.clear()
                 if self._stop and not self._requests:
                     return
