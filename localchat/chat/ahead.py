@@ -71,7 +71,7 @@ class Ahead:
         self.told_failure = False  # once per chat is enough
         self.relayouts = 0  # how often the history took a new form: a state saved before is stale
         self.typed_at = 0.0  # when the message being typed last changed (monotonic)
-        self._sent_form: tuple[str, list[int]] = ("", [])  # a typed text and its tokens as if sent
+        self._sent_form: tuple[str, list[int], list[int]] = ("", [], [])  # a text, the base it is on, the prompt
 
     # ------------------------------------------------------------ state
     def invalidate(self) -> None:
@@ -173,9 +173,9 @@ class Ahead:
         chat, text = self.chat, self.typed
         if not (chat.read_ahead and text.strip() and not text.startswith("/")):
             return []
-        if self._sent_form[0] != text:
-            self._sent_form = (text, self.base + chat.message_body(text))
-        prompt = self._sent_form[1]
+        if self._sent_form[0] != text or self._sent_form[1] is not self.base:  # plan() makes a new base
+            self._sent_form = (text, self.base, self.base + chat.message_body(text))
+        prompt = self._sent_form[2]
         room = min(self._typed_cap() + len(self.base), chat.engine.n_ctx) - 2
         return prompt if len(prompt) <= room else []
 

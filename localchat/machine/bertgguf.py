@@ -8,17 +8,16 @@ zip; the tensor and key names follow llama.cpp's own converter (convert_hf_to_gg
 from __future__ import annotations
 
 import json
-import os
 import struct
-import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
 from localchat.errors import ModelError
+from localchat.fsutil import atomic_write
 
 GGUF_VERSION = 3
 ALIGNMENT = 32  # general.alignment's default, so the key is left out
@@ -56,7 +55,7 @@ def convert(model_zip: Path, out: Path, name: str = "all-MiniLM-L6-v2") -> Path:
         metadata = {**_model_metadata(config, pooling, name), **_tokenizer_metadata(tokenizer, roles, config)}
     except (KeyError, TypeError, ValueError, zipfile.BadZipFile) as exc:  # a damaged or unexpected checkpoint
         raise ModelError(f"{model_zip.name}: not a BERT checkpoint this converter understands ({exc!r})") from exc
-    _write_atomic(out, metadata, tensors)
+    atomic_write(out, _chunks(metadata, tensors))  # a killed run leaves no half GGUF
     return out
 
 
@@ -226,22 +225,9 @@ def _header(metadata: dict[str, bytes], tensors: list[tuple[str, np.ndarray]]) -
     return bytes(out + b"\0" * _pad(len(out)))
 
 
-def _write_tensors(f: BinaryIO, tensors: list[tuple[str, np.ndarray]]) -> None:
+def _chunks(metadata: dict[str, bytes], tensors: list[tuple[str, np.ndarray]]) -> Iterator[bytes]:
+    """The file's bytes in order: the header, then each tensor's data padded to the alignment."""
+    yield _header(metadata, tensors)
     for _, data in tensors:
-        f.write(data.astype(data.dtype.newbyteorder("<"), copy=False).tobytes())
-        f.write(b"\0" * _pad(data.nbytes))
-
-
-def _write_atomic(out: Path, metadata: dict[str, bytes], tensors: list[tuple[str, np.ndarray]]) -> None:
-    # a temp file next to the target, so the rename is atomic and a killed run leaves no half GGUF
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_header(metadata, tensors))
-            _write_tensors(f, tensors)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        yield data.astype(data.dtype.newbyteorder("<"), copy=False).tobytes()
+        yield b"\0" * _pad(data.nbytes)
