@@ -406,6 +406,36 @@ def test_always_stops_asking_for_that_tool_and_deny_tells_the_model(home, tools_
         a.h.close()
 
 
+def test_ctrl_c_mid_loop_stops_the_command_keeps_each_step_and_the_chat_goes_on(home, tools_model, tmp_path):
+    from tests.test_repl import CTRL_C
+    a = Asked(home, tools_model, tmp_path, "approve-ctrl-c")
+    try:
+        a.ask("Write a.txt, then wait", a.call_text("write_file", path="a.txt", content="kept"),
+              a.call_text("run_command", command="sleep 30; touch late.txt"), "Never said.")
+        a.h.type("o")
+        a.h.wait(lambda: a.asking.request is not None and a.asking.request.tool == "run_command")
+        time.sleep(2 * GRACE_S)
+        a.h.type("o")
+        time.sleep(1.0)  # the command runs
+        t0 = time.monotonic()
+        a.h.type(CTRL_C)
+        st = a.done()
+        assert time.monotonic() - t0 < 10  # stopped, not waited for (its sleep is 30 s)
+        results = [m for m in a.h.ctl.chat.conv.messages if m.role == "tool"]
+        assert [m.call["status"] for m in results] == ["ok", "stopped"], [m.content for m in results]
+        assert "stopped by the user" in results[1].content
+        assert (tmp_path / "a.txt").read_text() == "kept" and not (tmp_path / "late.txt").exists()
+        assert "2 tool calls, results" in status.toolbar_text(a.h.repl.bar)
+        records = (home / "sessions" / "approve-ctrl-c" / "transcript.jsonl").read_text()
+        assert "stopped by the user" in records and '"a.txt"' in records  # each step is on disk
+        n = len(a.h.stats)
+        a.h.type("Thanks\r")  # the chat goes on, from the KV the loop left
+        a.h.wait(lambda: len(a.h.stats) > n)
+        assert a.h.stats[-1]["recomputed_tokens"] <= a.h.stats[-1]["new_tokens"] + 1
+    finally:
+        a.h.close()
+
+
 def test_edited_arguments_run_once_as_edited(home, tools_model, tmp_path):
     a = Asked(home, tools_model, tmp_path, "approve-edit")
     try:

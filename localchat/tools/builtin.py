@@ -219,11 +219,12 @@ class Toolbox:
 
     def _execute(self, name: str, args: dict[str, Any]) -> Result:
         try:
-            return Result(cap(getattr(self, f"_{name}")(**args)))
+            text = cap(getattr(self, f"_{name}")(**args))
         except ToolError as exc:
             return Result(f"{name}: {exc}", "error")
         except OSError as exc:
             return Result(f"{name}: {exc.strerror or exc}", "error")
+        return Result(text, "stopped" if self.cancelled is not None and self.cancelled() else "ok")  # Ctrl-C cut it
 
     def decide(self, r: Request) -> Decision:
         """The user's answer to a call (or the advance approval); "always" is kept for this session."""
