@@ -35,6 +35,12 @@ def _report(text: str) -> None:
         pass  # the terminal closed with its window: what is saved does not depend on being told
 
 
+def _quiet(text: str) -> None:
+    """A one-shot prompt's diagnostics: only localchat's own notices (warnings, failures), not progress."""
+    if text.startswith("localchat:"):
+        _report(text)
+
+
 def _offer_tools(rt: runtime.Runtime, asking: approval.Asking | None, hub: Hub | None) -> None:
     """The built-in tools (with --tools), rooted at the working directory, and the MCP servers' tools:
     the terminal UI asks about each call not approved in advance; line mode denies it."""
@@ -112,7 +118,18 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             hub.close()  # every server and its children, whatever ended the chat
 
 
+def _message(args: argparse.Namespace) -> str:
+    """A one-shot prompt's message ("" for a chat), checked before the model loads."""
+    message = " ".join(args.prompt).strip()
+    if args.prompt and not message:
+        raise ProfileError("the prompt is empty: give the message to answer, or no PROMPT for a chat")
+    if args.json and not message:
+        raise ProfileError("--json needs a PROMPT (a one-shot message); line mode writes --stats-json FILE")
+    return message
+
+
 def _chat(args: argparse.Namespace, profile: Profile, hub: Hub | None) -> int:
+    message = _message(args)
     rt = runtime.open_runtime(profile, _report, verbose=args.verbose, explicit_ctx=args.n_ctx is not None)
     try:
         if rt.gpu_warning:
@@ -120,15 +137,12 @@ def _chat(args: argparse.Namespace, profile: Profile, hub: Hub | None) -> int:
         if rt.chat.conv.system and not rt.chat.fmt.system_role:
             _report("localchat: this model's template has no system role: the system prompt goes into the "
                     "first user message (as llama.cpp and Ollama do)")
-        interactive = sys.stdin.isatty() and sys.stdout.isatty()
+        interactive = not message and sys.stdin.isatty() and sys.stdout.isatty()
         offered = (profile.tools or hub is not None) and profile.tool_choice != "none"
         asking = approval.Asking() if interactive and offered else None
         if offered:
             _offer_tools(rt, asking, hub)
-        # the terminal UI works ahead while the user reads and types; line mode has no such time
-        ctl = lifecycle.Session.open(rt, args, _report, background=interactive)
-        for line in attaching.add(rt.chat, args.attach) if args.attach else []:
-            _report(line)
+        ctl = _open_session(rt, args, message, interactive)
         stats_file = open(args.stats_json, "a", encoding="utf-8") if args.stats_json else None
         TRACE.path = args.trace or TRACE.path
 
@@ -138,19 +152,41 @@ def _chat(args: argparse.Namespace, profile: Profile, hub: Hub | None) -> int:
                 stats_file.write("".join(json.dumps(s.to_json()) + "\n" for s in [*st.steps, st]))
                 stats_file.flush()
 
-        code = 0
         try:
-            if interactive:
-                from localchat.ui import repl
-                code = repl.run(ctl, after_turn, status.ViewPrefs(markdown=not args.raw,
-                                                                  show_thoughts=args.show_reasoning), asking)
-            else:
-                from localchat.ui import lineui
-                code = lineui.run_lines(ctl, after_turn, show_reasoning=args.show_reasoning)
+            return _run_ui(ctl, after_turn, args, message, interactive, asking)
         finally:
             ctl.close()
+            if ctl.rt is not rt:  # /model loaded another (the first one is closed already)
+                ctl.rt.close()
             if stats_file:
                 stats_file.close()
     finally:
         rt.close()
-    return code
+
+
+def _open_session(rt: runtime.Runtime, args: argparse.Namespace, message: str,
+                  interactive: bool) -> lifecycle.Session:
+    """The chat's session and what the first message carries: --attach, and a one-shot's piped stdin."""
+    quiet = message and not args.verbose  # a one-shot's answer is its output: only what went wrong besides
+    # the terminal UI works ahead while the user reads and types; line mode has no such time
+    ctl = lifecycle.Session.open(rt, args, _quiet if quiet else _report, background=interactive,
+                                 one_shot=bool(message))
+    attached = attaching.add(rt.chat, args.attach) if args.attach else []
+    if message and not sys.stdin.isatty():  # the content the prompt is about, as the peers take it
+        attached += attaching.add_stream(rt.chat, "stdin", sys.stdin.buffer)
+    for line in [] if quiet else attached:
+        _report(line)
+    return ctl
+
+
+def _run_ui(ctl: lifecycle.Session, after_turn: Callable[[TurnStats], None], args: argparse.Namespace, message: str,
+            interactive: bool, asking: approval.Asking | None) -> int:
+    if message:
+        from localchat.ui import lineui
+        return lineui.run_once(ctl, message, after_turn, args.json, args.show_reasoning, args.verbose)
+    if interactive:
+        from localchat.ui import repl
+        return repl.run(ctl, after_turn, status.ViewPrefs(markdown=not args.raw, show_thoughts=args.show_reasoning),
+                        asking)
+    from localchat.ui import lineui
+    return lineui.run_lines(ctl, after_turn, show_reasoning=args.show_reasoning)

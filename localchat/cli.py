@@ -11,7 +11,9 @@ from localchat import __version__
 from localchat.errors import LocalchatError
 from localchat.options import overrides, profile_args, setting_args
 
-SUBCOMMANDS = ("chat", "models", "plan", "sessions", "search", "bench", "profiles", "cache", "mcp")
+SUBCOMMANDS = ("chat", "models", "plan", "sessions", "search", "bench", "profiles", "cache", "mcp", "doctor",
+               "completions")
+COMPLETE = "__complete"  # what the shells' completion scripts call back; no command a user types, not in help
 
 
 def _err(text: str) -> None:
@@ -22,8 +24,8 @@ def _err(text: str) -> None:
 def chat_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat", description="Chat with a local GGUF model; the KV cache "
                                 "lives across turns and across runs.",
-                                epilog="subcommands: localchat {models,plan,profiles,sessions,search,cache,mcp,"
-                                       "bench} --help")
+                                epilog="subcommands: localchat {models,plan,doctor,profiles,sessions,search,cache,"
+                                       "mcp,completions,bench} --help")
     p.add_argument("--version", action="version", version=f"localchat {__version__}")
     profile_args(p)
     setting_args(p, chat=True)
@@ -39,6 +41,10 @@ def chat_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="replies as raw text, not rendered Markdown")
     p.add_argument("--attach", action="append", metavar="PATH", default=[],
                    help="a file, directory or glob the first message carries (repeatable)")
+    p.add_argument("--json", action="store_true", help="with a PROMPT: the reply and the turn's stats as one JSON "
+                   "object on stdout")
+    p.add_argument("prompt", nargs="*", metavar="PROMPT", help="answer this message on stdout and exit; piped stdin "
+                   "is attached to it as a document named stdin (no session kept unless --session or -c)")
     return p
 
 
@@ -47,10 +53,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     verbose = "-v" in argv or "--verbose" in argv
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
+        if argv and argv[0] == COMPLETE:
+            from localchat import commands, completion
+            return completion.answer(argv[1:], chat_parser, commands.PARSERS, SUBCOMMANDS)
         if argv and argv[0] in SUBCOMMANDS[1:]:
             from localchat import commands
             return commands.run(argv[0], argv[1:])
-        args = chat_parser().parse_args(argv[1:] if argv and argv[0] == "chat" else argv)
+        args = chat_parser().parse_intermixed_args(argv[1:] if argv and argv[0] == "chat" else argv)
         from localchat import app
         return app.run_chat(args, overrides(args))
     except LocalchatError as exc:

@@ -1,4 +1,7 @@
-"""The subcommands besides the chat: models, plan, sessions, search, cache, profiles, mcp, bench."""
+"""The subcommands besides the chat: models, plan, sessions, search, cache, profiles, mcp, bench, doctor,
+completions. Each command's parser is built by a function of `PARSERS`; what only running a command needs
+(the runtime and llama_cpp, numpy through the GGUF reader, YAML, the session store) is imported inside it, so
+that building a parser stays cheap: the shells' completion builds one at every Tab."""
 
 from __future__ import annotations
 
@@ -9,21 +12,15 @@ import re
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from localchat import runtime
-from localchat.chatformat.templates import template_problem
+from localchat import completion
 from localchat.errors import ModelError, ProfileError, SessionError
-from localchat.machine import models, planview, profiles
-from localchat.machine import plan as planmod
-from localchat.machine.fetch import BUILTIN_MODELS
-from localchat.machine.gguf_file import read_gguf
 from localchat.options import overrides, print_json, profile_args
-from localchat.session import prefixcache, statefile
-from localchat.session.fingerprint import fingerprint
-from localchat.session.kvdisk import check_state
-from localchat.session.sessiondir import SessionDir, list_sessions
 from localchat.settings import settings_table
+
+if TYPE_CHECKING:
+    from localchat.session.sessiondir import SessionDir
 
 
 def _out(text: str = "") -> None:
@@ -35,10 +32,18 @@ def _report(text: str) -> None:
 
 
 # ---------------------------------------------------------------- models
-def cmd_models(argv: Sequence[str]) -> int:
+def models_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat models", description="GGUF models found on this machine")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def cmd_models(argv: Sequence[str]) -> int:
+    from localchat.chatformat.templates import template_problem
+    from localchat.machine import models
+    from localchat.machine.fetch import BUILTIN_MODELS
+    from localchat.machine.gguf_file import read_gguf
+    args = models_parser().parse_args(argv)
     rows: list[dict[str, Any]] = []
     for alias in BUILTIN_MODELS:
         cached = models.builtin_cached(alias)
@@ -93,23 +98,30 @@ def _model_line(r: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------- plan
-def cmd_plan(argv: Sequence[str]) -> int:
+def plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat plan", description="memory plan for a profile and a model")
     profile_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable; keys documented in README.md")
-    args = p.parse_args(argv)
+    return p
+
+
+def cmd_plan(argv: Sequence[str]) -> int:
+    from localchat import runtime
+    from localchat.machine import plan as planmod
+    from localchat.machine import planview
+    args = plan_parser().parse_args(argv)
     profile = runtime.load_profile(args.profile, overrides(args))
     info = runtime.resolve_model(profile, _report)
-    profile, warning = runtime.effective_profile(runtime.fit_trained_context(profile, info, args.n_ctx is not None,
-                                                                             _report))
-    if warning:
-        _report(f"localchat: warning: {warning}")
-    plan = planmod.make_plan(profile, info, cards=runtime.cards_for(profile))
+    profile, plans = runtime.plans_for_command(runtime.fit_trained_context(profile, info, args.n_ctx is not None,
+                                                                           _report), info)
+    plan = plans.chat
     if args.json:
-        print_json(plan.to_json())
+        if plans.why_not_card:  # the text form says it among its lines
+            _report(f"localchat: warning: {plans.why_not_card}")
+        print_json(plans.to_json())
     else:
         _out(f"profile    {profile.name} ({profile.source})")
-        for line in planview.describe(plan):
+        for line in planview.describe_plans(plans):
             _out(line)
         if profile.draft_model:
             draft, need, room = runtime.draft_need(profile, plan, _report)
@@ -138,6 +150,9 @@ def _session_row(s: SessionDir) -> dict:
 
 def verify_session(s: SessionDir) -> list[str]:
     """Every check a resume makes, without loading the model. Returns problems (empty: all good)."""
+    from localchat.session import statefile
+    from localchat.session.fingerprint import fingerprint
+    from localchat.session.kvdisk import check_state
     problems = []
     conv = s.conversation()
     if not conv.messages:
@@ -192,13 +207,18 @@ def _fenced(text: str) -> str:
     return f"{fence}\n{text}\n{fence}"
 
 
-def cmd_sessions(argv: Sequence[str]) -> int:
+def sessions_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat sessions", description="saved sessions")
     p.add_argument("action", nargs="?", default="list", choices=("list", "show", "verify", "rm", "export"))
     p.add_argument("name", nargs="?")
     p.add_argument("--json", action="store_true")
     p.add_argument("--format", choices=("md", "json"), default="md", help="export format")
-    args = p.parse_args(argv)
+    return p
+
+
+def cmd_sessions(argv: Sequence[str]) -> int:
+    from localchat.session.sessiondir import SessionDir, list_sessions
+    args = sessions_parser().parse_args(argv)
     if args.action == "list":
         rows = [_session_row(s) for s in list_sessions()]
         if args.json:
@@ -258,10 +278,7 @@ def _embedding_progress(done: int, total: int) -> None:
                 + ("\n" if done >= total else ""))
 
 
-def cmd_search(argv: Sequence[str]) -> int:
-    """search QUERY: every session's messages, best matches first."""
-    from localchat.session.memory import matches
-    from localchat.session.searchindex import FAILURES, hit_lines, search_kinds
+def search_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat search", description="search every session's messages")
     p.add_argument("query", nargs="+")
     p.add_argument("--session", help="only this session")
@@ -273,7 +290,15 @@ def cmd_search(argv: Sequence[str]) -> int:
     p.add_argument("--words", action="store_true", help="by words alone, where the profile sets an embedding_model")
     p.add_argument("--json", action="store_true")
     profile_args(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def cmd_search(argv: Sequence[str]) -> int:
+    """search QUERY: every session's messages, best matches first."""
+    from localchat import runtime
+    from localchat.session.memory import matches
+    from localchat.session.searchindex import FAILURES, hit_lines, search_kinds
+    args = search_parser().parse_args(argv)
     profile = runtime.load_profile(args.profile, overrides(args))
     embedding = None if args.words else runtime.embedding_for(profile, _report, threads=os.cpu_count() or 1)
     try:
@@ -292,13 +317,18 @@ def cmd_search(argv: Sequence[str]) -> int:
 
 
 # ---------------------------------------------------------------- the prefix store
-def cmd_cache(argv: Sequence[str]) -> int:
+def cache_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat cache", description="the prefix store: the saved KV of system "
                                 "prompts and attached documents that new chats start from")
     p.add_argument("action", nargs="?", default="list", choices=("list", "rm", "clear"))
     p.add_argument("key", nargs="*", help="rm: keys (or their first characters) as 'cache list' shows them")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def cmd_cache(argv: Sequence[str]) -> int:
+    from localchat.session import prefixcache
+    args = cache_parser().parse_args(argv)
     found = prefixcache.entries()
     if args.action == "list":
         rows: list[dict[str, Any]] = [{"key": e.key, "size": e.size, "tokens": e.tokens, "documents": e.documents,
@@ -326,12 +356,17 @@ def cmd_cache(argv: Sequence[str]) -> int:
 
 
 # ---------------------------------------------------------------- profiles
-def cmd_profiles(argv: Sequence[str]) -> int:
+def profiles_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat profiles", description="shipped and user profiles")
     p.add_argument("--json", action="store_true")
     p.add_argument("--keys", action="store_true", help="every key a profile may set: type, default, values, option")
     p.add_argument("--markdown", action="store_true", help="with --keys: as the Markdown table README.md holds")
-    args = p.parse_args(argv)
+    return p
+
+
+def cmd_profiles(argv: Sequence[str]) -> int:
+    from localchat.machine import profiles
+    args = profiles_parser().parse_args(argv)
     if args.keys:
         return _keys(args.json, args.markdown)
     rows = []
@@ -380,18 +415,23 @@ def cmd_bench(argv: Sequence[str]) -> int:
     return command.main(argv)
 
 
-def cmd_mcp(argv: Sequence[str]) -> int:
-    """mcp list|check [NAME]: start each configured server, list its tools with what their schemas cost
-    in tokens of the profile's model, stop it."""
-    from localchat.engine.vocab import Tokenizer
-    from localchat.paths import config_dir, home
-    from localchat.tools import mcpconfig
-    from localchat.tools.mcp import Hub
+def mcp_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat mcp")
     p.add_argument("action", choices=("list", "check"))
     p.add_argument("name", nargs="?", help="one server (default: all)")
     profile_args(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def cmd_mcp(argv: Sequence[str]) -> int:
+    """mcp list|check [NAME]: start each configured server, list its tools with what their schemas cost
+    in tokens of the profile's model, stop it."""
+    from localchat import runtime
+    from localchat.engine.vocab import Tokenizer
+    from localchat.paths import config_dir, home
+    from localchat.tools import mcpconfig
+    from localchat.tools.mcp import Hub
+    args = mcp_parser().parse_args(argv)
     specs = mcpconfig.load()
     if not specs:
         raise ProfileError(f"no MCP servers are configured: write {config_dir() / 'mcp.json'}")
@@ -428,7 +468,34 @@ def _server_lines(name: str, server: Any, tokenizer: Any, whole: bool) -> list[s
     return lines
 
 
+def cmd_doctor(argv: Sequence[str]) -> int:
+    from localchat import doctor
+    return doctor.main(argv)
+
+
+def completions_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="localchat completions", description="a script that completes localchat's "
+                                "command line: eval \"$(localchat completions bash)\", or install it where the "
+                                "shell looks for completions")
+    p.add_argument("shell", choices=completion.SHELLS)
+    return p
+
+
+def cmd_completions(argv: Sequence[str]) -> int:
+    args = completions_parser().parse_args(argv)
+    _out(completion.script(args.shell))
+    return 0
+
+
+# every command's parser, built without running it (the shells' completion reads them); bench's and doctor's are
+# built in modules that load llama_cpp as they are imported: those two complete by name only
+PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
+    "models": models_parser, "plan": plan_parser, "sessions": sessions_parser, "search": search_parser,
+    "cache": cache_parser, "profiles": profiles_parser, "mcp": mcp_parser, "completions": completions_parser}
+
+
 def run(name: str, argv: Sequence[str]) -> int:
-    return {"models": cmd_models, "plan": cmd_plan, "sessions": cmd_sessions, "bench": cmd_bench,
-            "profiles": cmd_profiles, "cache": cmd_cache, "mcp": cmd_mcp, "search": cmd_search}[name](argv)
+    return {"doctor": cmd_doctor, "models": cmd_models, "plan": cmd_plan, "sessions": cmd_sessions, "bench": cmd_bench,
+            "profiles": cmd_profiles, "cache": cmd_cache, "mcp": cmd_mcp, "search": cmd_search,
+            "completions": cmd_completions}[name](argv)
 

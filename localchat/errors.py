@@ -38,5 +38,10 @@ class DamagedModel(ModelError):
     """The model file loaded but computes nonsense (non-finite logits): the chat cannot go on with it."""
 
 
+class ChatEnded(LocalchatError):
+    """The chat cannot go on in this process (its model could not be loaded again); what was said is
+    saved. Both UIs end with the message and exit code 2."""
+
+
 class ToolsUnsupported(LocalchatError):
     """Tools were asked for and the model's template takes none; the message names the model."""

@@ -57,6 +57,7 @@ class Runtime:
     threads_why: str = ""  # how auto chose the threads in use
     draft: DraftModel | None = None  # the profile's draft_model, loaded beside the model
     embedding: LazyEmbedder | None = None  # the profile's embedding_model, loaded on its first use
+    requested: Profile | None = None  # the profile as asked for, before it was fitted to the model and build
 
     def refit_threads(self, min_window: float = 0.0) -> None:
         """Auto threads: as many as the cores other processes leave free now (two reads of /proc)."""
@@ -154,6 +155,19 @@ def cards_for(profile: Profile) -> list[Card]:
                            f"llama.cpp of this llama-cpp-python no longer has (llama-bench -sm row fails alike); "
                            f"use split_mode: layer")
     return cards + [Card(d.name, budget, d.free) for d in gpus[first:first + want]]
+
+
+def plans_for_command(profile: Profile, info: ModelInfo) -> tuple[Profile, planmod.ProfilePlans]:
+    """`localchat plan`: the profile as the chat would run it here, the plan it would use, and the plan for the
+    cards the profile is written for; where this build or machine cannot use them, those cards as the profile
+    writes them (beside the RPC servers' devices, read), whatever the build."""
+    chat_profile, why = effective_profile(profile)
+    cards = cards_for(chat_profile)
+    chat = planmod.make_plan(chat_profile, info, cards=cards)
+    if not why:
+        return chat_profile, planmod.ProfilePlans(chat, chat if chat.gpu else None)
+    written = [c for c in cards if not c.local] + planmod.default_cards(profile)
+    return chat_profile, planmod.ProfilePlans(chat, planmod.make_plan(profile, info, cards=written), why)
 
 
 def fit_trained_context(profile: Profile, info: ModelInfo, explicit_ctx: bool, report: Report) -> Profile:
@@ -269,6 +283,7 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
     """`explicit_ctx`: n_ctx came from the command line (then above the trained context is an error)."""
     # the other processes' load is measured from here to after the model loaded
     threads = ThreadFit(thread_count(profile.n_threads), thread_count(profile.n_threads_batch))
+    requested = profile
     info = resolve_model(profile, report)
     info.check_loadable()
     profile, warning = effective_profile(fit_trained_context(profile, info, explicit_ctx, report))
@@ -295,6 +310,6 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
     if draft is not None and chat.speculation is not None:
         chat.speculation.model = draft
     rt = Runtime(profile, info, plan, engine, chat, warning, threads, draft=draft,
-                 embedding=embedding_for(profile, report))
+                 embedding=embedding_for(profile, report), requested=requested)
     rt.refit_threads(min_window=0.25)
     return rt

@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"session"},
     {"ui"},
-    {"app", "options"},
+    {"app", "options", "doctor", "completion"},
     {"bench"},
     {"commands"},
     {"cli"},

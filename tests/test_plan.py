@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
+import psutil
 import pytest
 
+from localchat import runtime
 from localchat.errors import ProfileError
 from localchat.machine import plan as planmod
-from localchat.machine import profiles
+from localchat.machine import planview, profiles
 from localchat.machine.models import ModelInfo, model_info
-from tests.conftest import make_engine
+from tests.conftest import make_engine, run_cli
 from tests.gguf_writer import llama_shape, write_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,3 +156,86 @@ def test_the_gpu_total_counts_the_cuda_context_and_the_prefill_growth(llama3_8b)
     assert plan.cuda_context_bytes == planmod.CUDA_CONTEXT and plan.prefill_growth_bytes == planmod.PREFILL_GROWTH
     assert plan.total_gpu_bytes >= parts + plan.cuda_context_bytes + plan.prefill_growth_bytes
     assert plan.total_gpu_bytes <= plan.budget_bytes
+
+
+# ---------------------------------------------------------------- the card plan on any build, host RAM
+CPU_BUILD = pytest.mark.skipif(bool(runtime.local_gpus()), reason="the card plan is the chat's plan on a build that "
+                               "offloads to a GPU of this machine")
+
+
+@CPU_BUILD
+def test_plan_json_on_a_cpu_build_lists_the_profiles_two_cards_and_says_the_chat_uses_the_cpu(demo_path):
+    shown = run_cli(["plan", "--profile", "rtx3060x2", "--model", str(demo_path), "--json"])
+    assert shown.returncode == 0, shown.stderr
+    d = json.loads(shown.stdout)
+    assert d["chat_uses"] == "cpu" and not d["gpu"] and d["devices"] == [] and d["layers_gpu"] == 0
+    card = d["card_plan"]
+    assert set(card) == set(d) - {"card_plan", "chat_uses"}  # the same shape as the chat's plan
+    assert card["gpu"] and card["split_mode"] == "layer" and card["layers_gpu"] == card["layers_total"]
+    assert [r["name"] for r in card["devices"]] == ["CUDA0", "CUDA1"]
+    for row in card["devices"]:
+        assert row["from_profile"] and row["free_bytes"] == 0 and row["limited_by"] == "profile"
+        assert row["weights_bytes"] > 0 and row["kv_bytes"] > 0 and row["compute_bytes"] > 0 and row["fits"]
+        assert row["room_bytes"] == planmod.budget_bytes(profiles.load("rtx3060x2"))  # 12 GB less the 1 GB reserve
+    assert card["cuda_context_bytes"] == 2 * planmod.CUDA_CONTEXT
+    assert sum(r["kv_bytes"] for r in card["devices"]) == card["kv_bytes"] == d["kv_bytes"]
+    assert "has no GPU support" in shown.stderr  # stdout stays JSON
+
+
+@CPU_BUILD
+def test_plan_text_on_a_cpu_build_shows_the_card_plan_then_the_cpu_line_and_plan(demo_path):
+    shown = run_cli(["plan", "--profile", "rtx3060", "--model", str(demo_path)])
+    assert shown.returncode == 0, shown.stderr
+    out = shown.stdout
+    assert "card plan  for the profile's card CUDA0 as written, not read from this machine" in out
+    assert "layers     31 of 31 on CUDA0" in out and "CUDA       context 524 MiB" in out
+    assert re.search(r"host RAM   [\d,]+ MiB of [\d,]+ MiB free -> fits", out)
+    assert f"this build: profile 'rtx3060' offloads layers but this llama-cpp-python has no GPU support; running on " \
+           f"the CPU. Install the CUDA build: {runtime.CUDA_INSTALL}" in out
+    assert out.index("CUDA0") < out.index("this build:") < out.index("chat plan") < out.index("layers     all on CPU")
+    assert out.count("model      ") == 1 and "has no GPU support" not in shown.stderr  # said once
+
+
+def test_a_partly_offloaded_plan_counts_the_layers_left_on_the_cpu_in_host_ram(llama3_8b):
+    p = dataclasses.replace(profiles.load("rtx3060"), n_gpu_layers=20, n_ctx=8192)
+    plan = planmod.make_plan(p, llama3_8b)
+    # 20 of 33 offloaded: the output and the last 19 layers; layers 0-12 and the token embedding stay in RAM
+    on_gpu = sum(llama3_8b.layer_bytes[13:]) + llama3_8b.output_bytes
+    assert plan.weights_gpu_bytes == on_gpu and plan.weights_cpu_bytes == llama3_8b.tensor_bytes - on_gpu
+    per_layer = llama3_8b.kv_bytes_per_token("q8_0", "q8_0") // 32
+    assert plan.host_kv_bytes == 13 * per_layer * 8192
+    ub = min(p.n_ubatch, p.n_batch)
+    staged = ub * 8 * llama3_8b.n_embd + 2 * ub * 8192  # a ubatch's embeddings and the f16 KQ mask, for the card
+    assert plan.host_bytes > plan.weights_cpu_bytes + plan.host_kv_bytes + planmod.HOST_OVERHEAD + staged
+    assert plan.host_fits and plan.fits
+    assert any(line.startswith("host RAM   ") for line in planview.describe(plan))
+
+
+def test_a_tied_embedding_offloaded_keeps_its_copy_in_host_ram(demo_path):
+    m = model_info(demo_path)  # SmolLM2: no output.weight, the output is the token embedding
+    assert planmod.tied_output(m)
+    plan = planmod.make_plan(profiles.load("rtx3060"), m)
+    assert plan.weights_gpu_bytes == sum(m.layer_bytes) + m.output_bytes  # every layer and the embedding as the output
+    # what is left (a norm) and the input layer's copy of the embedding, which llama.cpp keeps on the CPU
+    assert plan.weights_cpu_bytes == m.tensor_bytes - plan.weights_gpu_bytes + m.output_bytes
+
+
+def test_a_model_too_large_for_ram_is_refused_with_the_arithmetic(tmp_path):
+    total = psutil.virtual_memory().total
+    n_layer = min(int(2 * total / (2 << 30)) + 2, 400)  # about 2 GiB a layer: twice this machine's RAM
+    shape = llama_shape(n_layer=n_layer, n_embd=16384, n_head=128, n_kv=8, n_ff=53248, n_vocab=128256)
+    huge = model_info(write_gguf(tmp_path / "huge.gguf", **shape))
+    p = dataclasses.replace(profiles.load("rtx4060"), n_gpu_layers=2, n_ctx=4096)
+    plan = planmod.make_plan(p, huge)
+    assert all(d.fits for d in plan.devices) and not plan.host_fits and not plan.fits
+    assert plan.host_bytes > sum(huge.layer_bytes[:n_layer - 2]) > psutil.virtual_memory().available  # the CPU's part
+    with pytest.raises(ProfileError, match=rf"needs [\d.]+ GiB of host RAM at n_ctx 4096: the weights left on the CPU "
+                       rf"[\d.]+ GiB \({n_layer - 1} of {n_layer + 1} layers, the token embedding\) \+ their KV "
+                       rf"[\d.]+ GiB \+ llama.cpp's host buffers [\d.]+ GiB, but [\d.]+ GiB is available; "
+                       rf"largest that fits: more n_gpu_layers or a smaller model"):
+        planmod.check_fits(plan, p)
+    shown = run_cli(["plan", "--profile", "rtx4060", "--model", str(huge.path), "--gpu-layers", "2", "--ctx", "4096"])
+    assert shown.returncode == 2 and "Traceback" not in shown.stderr
+    assert re.search(r"host RAM   [\d,]+ MiB of [\d,]+ MiB free -> DOES NOT FIT", shown.stdout)
+    assert re.search(r"total      [\d,]+ MiB of [\d,]+ MiB GPU budget -> fits", shown.stdout)  # the card holds its part
+    assert len(shown.stderr.strip().splitlines()) == 1 and "needs" in shown.stderr  # the refusal: one line

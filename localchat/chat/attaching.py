@@ -4,8 +4,9 @@ added; a file that cannot fit is refused with that arithmetic and how much of it
 from __future__ import annotations
 
 import hashlib
+from typing import BinaryIO
 
-from localchat.chat.documents import Document, attach, frame
+from localchat.chat.documents import Document, attach, frame, read_stream
 from localchat.chat.turns import Chat
 from localchat.errors import DocumentError
 
@@ -38,6 +39,12 @@ def add(chat: Chat, specs: list[str]) -> list[str]:
 def add_text(chat: Chat, name: str, text: str) -> list[str]:
     """A text (not a file: /recall's matches) attached to the next message as a document named `name`."""
     return _add(chat, [Document(name, frame(name, text), hashlib.sha256(text.encode()).hexdigest())], [])
+
+
+def add_stream(chat: Chat, name: str, stream: BinaryIO) -> list[str]:
+    """Piped input attached to the next message as a document named `name` (nothing when it is empty)."""
+    doc = read_stream(stream, name)
+    return _add(chat, [doc], []) if doc is not None else []
 
 
 def _add(chat: Chat, docs: list[Document], notes: list[str]) -> list[str]:

@@ -62,6 +62,7 @@ class Conversation:
     messages: list[Message] = field(default_factory=list)
     tokens_left_window: int = 0
     started: str = ""  # when the chat began (ISO): the date templates print stays that day's on resume
+    vocab: str = ""  # the signature of the vocabulary its tokens are in ("": as the model's, an older transcript)
 
     @property
     def turns(self) -> int:

@@ -13,6 +13,7 @@ import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from localchat.chat.conversation import Message
 from localchat.errors import DocumentError
@@ -106,6 +107,18 @@ def _pdf_text(name: str, data: bytes) -> str:
     return text
 
 
+def read_stream(stream: BinaryIO, name: str) -> Document | None:
+    """Piped input as a document named `name` (None when it is empty): the refusals of a file."""
+    try:
+        data = stream.read(MAX_BYTES + 1)
+    except OSError as exc:  # a directory given as stdin, a closed pipe
+        raise DocumentError(f"{name} cannot be read: {exc.strerror or exc}") from None
+    if len(data) > MAX_BYTES:
+        raise DocumentError(f"{name} is over {MAX_BYTES >> 20} MiB; at most that is attached (a context holds far "
+                            "less)")
+    return _document(name, data, data[:5] == b"%PDF-") if data.strip() else None
+
+
 def read_file(path: Path, name: str) -> Document:
     try:
         if path.stat().st_size > MAX_BYTES:
@@ -118,7 +131,10 @@ def read_file(path: Path, name: str) -> Document:
         raise DocumentError(f"{name} is a directory") from None
     except OSError as exc:
         raise DocumentError(f"{name} cannot be read: {exc.strerror or exc}") from None
-    is_pdf = data[:5] == b"%PDF-" or path.suffix.lower() == ".pdf"
+    return _document(name, data, data[:5] == b"%PDF-" or path.suffix.lower() == ".pdf")
+
+
+def _document(name: str, data: bytes, is_pdf: bool) -> Document:
     text = _pdf_text(name, data) if is_pdf else _decode_text(name, data)
     return Document(name, frame(name, text.replace("\r\n", "\n")), hashlib.sha256(data).hexdigest())
 

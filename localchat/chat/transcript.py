@@ -29,7 +29,8 @@ def message(m: Message) -> Record:
 
 
 def system(conv: Conversation) -> Record:
-    return {"t": "system", "system": conv.system, "prefix": list(conv.prefix), "started": conv.started}
+    return {"t": "system", "system": conv.system, "prefix": list(conv.prefix), "started": conv.started,
+            "vocab": conv.vocab}
 
 
 def relayout(prefix: list[int], layout: list[tuple[int, list[int], list[int]]], raws: dict[int, str]) -> Record:
@@ -106,6 +107,8 @@ def replay(records: list[Record]) -> Conversation:
                 conv.prefix = [int(t) for t in r.get("prefix", [])]
                 started = r.get("started")
                 conv.started = started if isinstance(started, str) else conv.started
+                vocab = r.get("vocab")
+                conv.vocab = vocab if isinstance(vocab, str) else conv.vocab
             elif kind == "canon":
                 layout = [(int(i), [int(t) for t in h], [int(t) for t in toks]) for i, h, toks in r["messages"]]
                 if all(0 <= i < len(conv.messages) for i, _, _ in layout):

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 
-from localchat.chat import official, overflow, replystream, tools, transcript
+from localchat.chat import carryover, official, overflow, replystream, tools, transcript
 from localchat.chat.ahead import Ahead
 from localchat.chat.conversation import Conversation, Message
 from localchat.chat.documents import Attachments
@@ -18,7 +20,7 @@ from localchat.chatformat import reasoning
 from localchat.chatformat.templates import ChatFormat
 from localchat.chatformat.toolcalls import Found, ToolCall, ToolFormat
 from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig, Speculation, prime_sampler
-from localchat.errors import ContextFullError, ToolsUnsupported
+from localchat.errors import ContextFullError, ModelError, ToolsUnsupported
 from localchat.settings import default
 from localchat.trace import TRACE
 
@@ -131,6 +133,12 @@ class Chat:
             self._first_sampler = None  # a schema llama.cpp's grammar cannot take: calls are parsed, not held
         if self.conv.prefix:
             self.set_system(self.conv.system, cause="the tool list changed")
+
+    def offer_tools_of(self, other: Chat, model: str) -> None:
+        """The tools `other` offers, offered alike here (the chat of the next model, /model)."""
+        assert other.runner is not None
+        self.go_on = other.go_on
+        self.enable_tools(other.runner, other.max_tool_calls, model, *other._offered_as[1:])
 
     def tool_list_tokens(self) -> tuple[int, int]:
         """(the tokens the tool list adds to the system prefix, the whole prefix's), as the template renders it."""
@@ -556,8 +564,38 @@ class Chat:
         self.fmt.now = datetime.fromisoformat(conv.started) if conv.started else None
         self.ahead.invalidate()
 
+    def carry_over(self, conv: Conversation) -> None:
+        """Continue a copy of `conv`, made with another model (each reply's text as sampled in `raw`): its
+        tokens made again in this model's vocabulary and laid out in this template's official form, recorded
+        as such. ModelError where the template cannot take it; then nothing here or in `conv` changed."""
+        before, carried = self.conv, copy.deepcopy(conv)
+        carryover.retokenize(carried, self.engine)
+        self.adopt(carried)
+        carried.prefix = self._prefix_tokens()
+        try:
+            text = official.official_prefix(self.fmt, self.engine, carried)
+            lay = official.layout(self.fmt, self.engine, carried, self.template_tokens, text,
+                                  self.result_written) if text else None
+        except ModelError as exc:  # the template failed on this history: said, and the chat keeps its own
+            lay, why = None, str(exc)
+        else:
+            why = "its template's official form could not be laid over it"
+        if lay is None:
+            self.adopt(before)
+            raise ModelError(f"the conversation cannot be carried over to "
+                             f"{Path(self.engine.config.model_path).name}: {why}")
+        self.set_system(carried.system, cause="")
+        window = [i for i, m in enumerate(carried.messages) if m.in_window]
+        laid = [(i, head, tokens) for i, (head, tokens) in zip(window, lay.messages)]
+        laid += [(i, [], m.tokens) for i, m in enumerate(carried.messages) if not m.in_window]  # on disk alike
+        carried.relayout(lay.prefix, laid)
+        raws = {i: m.raw for i, m in enumerate(carried.messages) if m.role == "assistant"}
+        self.events.append(transcript.relayout(lay.prefix, laid, raws))
+        self.ahead.invalidate()
+
     def set_system(self, text: str | None, cause: str = "system prompt changed") -> None:
         self.conv.system = text or None
+        self.conv.vocab = self.engine.signature()
         if not self.conv.started:
             self.conv.started = datetime.now().isoformat(timespec="seconds")
             self.fmt.now = datetime.fromisoformat(self.conv.started)

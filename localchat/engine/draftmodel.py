@@ -64,5 +64,7 @@ class DraftModel:
         return out
 
     def close(self) -> None:
-        lc.llama_sampler_free(self._greedy)
+        if self._greedy is not None:  # once: a runtime closed by /model is closed again at exit
+            lc.llama_sampler_free(self._greedy)
+            self._greedy = None
         self.engine.close()

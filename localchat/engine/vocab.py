@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 
 import llama_cpp as lc
 
@@ -15,6 +16,7 @@ class VocabText:
     model: object
     vocab: object
     _piece_buf: ctypes.Array
+    _signature: str | None = None
 
     def tokenize(self, text: str, special: bool, add_bos: bool = False) -> list[int]:
         data = text.encode("utf-8")
@@ -37,6 +39,18 @@ class VocabText:
 
     def detokenize(self, tokens: list[int], special: bool = False) -> str:
         return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", errors="replace")
+
+    def signature(self) -> str:
+        """Which vocabulary this is, cheaply: its size and a hash of a spread of its pieces (token ids mean
+        the same text only under the same one)."""
+        if self._signature is None:
+            n = lc.llama_vocab_n_tokens(self.vocab)
+            h = hashlib.sha256(str(n).encode())
+            spread = range(0, n, max(1, n // 1024))
+            for t in [*spread, *range(max(0, n - 256), n)]:  # the tail too: added special tokens go there
+                h.update(self.piece(t, special=True) + b"\0")
+            self._signature = f"{n}:{h.hexdigest()[:16]}"
+        return self._signature
 
     def is_eog(self, token: int) -> bool:
         return bool(lc.llama_vocab_is_eog(self.vocab, token))

@@ -20,6 +20,7 @@ class Card:
     free: int = 0  # bytes free on it now (0: not read)
     local: bool = True  # a GPU of this process: our CUDA context and the backend's growth land on it
     endpoint: str = ""  # an RPC device's server
+    from_profile: bool = False  # the profile's card as written, not read from this machine (its free memory unknown)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ class DevicePlan:
     free_bytes: int  # free on it at start (0: not read)
     limited_by: str  # profile or free memory
     fits: bool
+    from_profile: bool = False  # the profile's card as written, not read from this machine
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,47 @@ class MemoryPlan:
     split_mode: str = "none"  # how the model is spread over several devices: layer, row
     devices: list[DevicePlan] = field(default_factory=list)  # a row per device (GPU or RPC)
     shares: list[float] = field(default_factory=list)  # each device's share of the layers (tensor_split)
+    host_bytes: int = 0  # in host RAM: weights_cpu_bytes, the KV of layers on the CPU, llama.cpp's host buffers
+    host_room_bytes: int = 0  # RAM available at start (less a CPU profile's reserve_gb)
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_bytes <= self.host_room_bytes
+
+    @property
+    def host_kv_bytes(self) -> int:
+        """The KV of the layers left on the CPU."""
+        return self.kv_bytes - self.kv_gpu_bytes
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        """llama.cpp's buffers in host RAM (compute, staged graph inputs, HOST_OVERHEAD)."""
+        return self.host_bytes - self.weights_cpu_bytes - self.host_kv_bytes
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class ProfilePlans:
+    """`localchat plan`: the plan the chat uses on this build and machine, and the plan for the cards the profile
+    is written for (the same plan where the chat uses them; None for a profile without cards)."""
+
+    chat: MemoryPlan
+    card: MemoryPlan | None
+    why_not_card: str = ""  # why the chat does not use the card plan (a build without GPU support)
+
+    @property
+    def chat_uses(self) -> str:
+        """card: the chat uses the card plan; cpu: it runs on the CPU; rpc: on RPC servers' devices alone."""
+        if self.card is not None and self.chat is self.card:
+            return "card"
+        return "rpc" if self.chat.gpu else "cpu"
+
+    def to_json(self) -> dict:
+        """The chat's plan (its keys unchanged), the card plan in the same shape, and which the chat uses."""
+        card = self.card.to_json() if self.card is not None else None
+        return {**self.chat.to_json(), "card_plan": card, "chat_uses": self.chat_uses}
 
 
 def _layers_on_gpu(p: Profile, m: ModelInfo) -> int:
@@ -132,7 +171,14 @@ def _on_gpu(p: Profile) -> bool:
 def budget_bytes(p: Profile) -> int:
     if p.vram_gb > 0:
         return int((p.vram_gb - p.reserve_gb) * GIB)
-    return int(psutil.virtual_memory().available - p.reserve_gb * GIB)
+    return ram_budget(p)
+
+
+def ram_budget(p: Profile) -> int:
+    """The RAM a plan may take: what is available now, less reserve_gb on a CPU profile (a GPU profile's
+    reserve_gb is the desktop's share of the card)."""
+    reserve = 0.0 if p.vram_gb > 0 else p.reserve_gb
+    return int(psutil.virtual_memory().available - reserve * GIB)
 
 
 def card_room(p: Profile, card: Card) -> tuple[int, str]:
@@ -151,8 +197,8 @@ def default_cards(p: Profile, free: int = 0) -> list[Card]:
     if not (_on_gpu(p) and p.vram_gb > 0):
         return []
     if p.split_mode == "none" or p.gpus == 1:
-        return [Card(f"CUDA{p.main_gpu}", budget_bytes(p), free)]
-    return [Card(f"CUDA{i}", budget_bytes(p), free if i == 0 else 0) for i in range(p.gpus)]
+        return [Card(f"CUDA{p.main_gpu}", budget_bytes(p), free, from_profile=True)]
+    return [Card(f"CUDA{i}", budget_bytes(p), free if i == 0 else 0, from_profile=True) for i in range(p.gpus)]
 
 
 def shares(p: Profile, cards: list[Card]) -> list[float]:
@@ -194,6 +240,38 @@ def _uses(p: Profile, m: ModelInfo, cards: list[Card], n_ctx: int, type_k: str, 
     return out
 
 
+def tied_output(m: ModelInfo) -> bool:
+    """The output projection is the token embedding itself (no output.weight): llama.cpp then loads it twice, on
+    the output layer's device and on the CPU, where the input layer always stays (llama-model.cpp, dev_input).
+    Told by size: besides the layers and the output, an untied model holds the token embedding (the output's
+    shape, more than a sixteenth of its bytes at any quantization), a tied one only a norm or two."""
+    rest = m.tensor_bytes - sum(m.layer_bytes) - m.output_bytes
+    return m.output_bytes > 0 and rest < m.output_bytes // 16
+
+
+def _host_buffers(p: Profile, m: ModelInfo, uses: list[CardUse], n_ctx: int, type_k: str) -> int:
+    """llama.cpp's buffers in host RAM: the CPU backend's compute buffer where layers stay on the CPU (with the
+    logits where the output does), the graph inputs staged for the devices (a ubatch's embeddings and the KQ mask:
+    CUDA_Host, fitted to the H200 runs within 0.01%, docs/gpu/memory-calibration.jsonl) and HOST_OVERHEAD."""
+    ub = min(p.n_ubatch, p.n_batch)
+    output_offloaded = any(u.output for u in uses)
+    layers_on_cpu = sum(u.layers for u in uses) < m.n_layer or not output_offloaded
+    cpu = _compute_bytes(m, p, n_ctx, type_k, False, logits_here=not output_offloaded) if layers_on_cpu else 0
+    mask = (2 if p.flash_attn else 4) * ub * n_ctx  # f16 with flash attention, f32 without
+    staged = ub * 8 * m.n_embd + mask if uses else 0
+    return cpu + staged + HOST_OVERHEAD
+
+
+def _host_parts(p: Profile, m: ModelInfo, uses: list[CardUse], n_ctx: int, type_k: str,
+                type_v: str) -> tuple[int, int, int]:
+    """What stays in host RAM: the weights not offloaded (the token embedding always, and a tied output's copy
+    that went to a device besides), the KV of the layers left on the CPU, and llama.cpp's host buffers."""
+    offloaded = sum(u.weights for u in uses)
+    copy = m.output_bytes if any(u.output for u in uses) and tied_output(m) else 0
+    kv = m.kv_bytes(n_ctx, type_k, type_v, p.n_ubatch, p.swa_full) - sum(u.kv for u in uses)
+    return m.tensor_bytes - offloaded + copy, max(kv, 0), _host_buffers(p, m, uses, n_ctx, type_k)
+
+
 def _card_need(p: Profile, m: ModelInfo, card: Card, use: CardUse) -> int:
     fixed = CUDA_CONTEXT + PREFILL_GROWTH if card.local else 0
     busy = compute_slack(m, p) + SMALL_BUFFERS if use.compute else 0
@@ -201,10 +279,10 @@ def _card_need(p: Profile, m: ModelInfo, card: Card, use: CardUse) -> int:
 
 
 def _fits_all(p: Profile, m: ModelInfo, cards: list[Card], n_ctx: int, type_k: str, type_v: str) -> bool:
-    if not cards:
-        return m.tensor_bytes + m.kv_bytes(n_ctx, type_k, type_v, p.n_ubatch, p.swa_full) + \
-            _compute_bytes(m, p, n_ctx, type_k, False) + HOST_OVERHEAD <= budget_bytes(p)
+    """Every device holds its share, and host RAM what stays on the CPU (all of it without a device)."""
     uses = _uses(p, m, cards, n_ctx, type_k, type_v)
+    if sum(_host_parts(p, m, uses, n_ctx, type_k, type_v)) > ram_budget(p):
+        return False
     return all(_card_need(p, m, c, u) <= card_room(p, c)[0] for c, u in zip(cards, uses))
 
 
@@ -233,33 +311,40 @@ def make_plan(p: Profile, m: ModelInfo, n_ctx: int | None = None, free: int = 0,
     n_ctx = -(-n_ctx // CTX_STEP) * CTX_STEP  # llama.cpp pads the context to 256
     kv = m.kv_bytes(n_ctx, p.type_k, p.type_v, p.n_ubatch, p.swa_full)
     uses = _uses(p, m, cards, n_ctx, p.type_k, p.type_v)
-    rows = []
-    for card, use in zip(cards, uses):
-        need, (room, why) = _card_need(p, m, card, use), card_room(p, card)
-        rows.append(DevicePlan(card.name, card.endpoint, use.layers, use.output, use.weights, use.kv, use.compute,
-                               need, room, card.free, why, need <= room))
+    rows = _device_rows(p, m, cards, uses)
     gpu, local = bool(cards), sum(c.local for c in cards)
     weights_gpu = sum(u.weights for u in uses)
     compute = sum(u.compute for u in uses) if gpu else _compute_bytes(m, p, n_ctx, p.type_k, False)
+    host_weights, host_kv, host_buffers = _host_parts(p, m, uses, n_ctx, p.type_k, p.type_v)
+    host, ram = host_weights + host_kv + host_buffers, ram_budget(p)
     tight = next((r for r in rows if not r.fits), min(rows, key=lambda r: r.room_bytes - r.total_bytes, default=None))
     return MemoryPlan(
         model=str(m.path), profile=p.name, gpu=gpu, n_ctx=n_ctx, n_ctx_train=m.n_ctx_train,
         type_k=p.type_k, type_v=p.type_v, layers_total=m.n_layer + 1,
         layers_gpu=_layers_on_gpu(p, m) if gpu else 0,
-        weights_gpu_bytes=weights_gpu, weights_cpu_bytes=m.tensor_bytes - weights_gpu,
+        weights_gpu_bytes=weights_gpu, weights_cpu_bytes=host_weights,
         kv_bytes_per_token=m.kv_bytes_per_token(p.type_k, p.type_v),
         kv_bytes_per_token_swa=m.kv_bytes_per_token(p.type_k, p.type_v, swa=True),
         kv_cells_swa=m.swa_cells(n_ctx, p.n_ubatch, p.swa_full) if m.n_swa else 0,
         kv_bytes=kv, kv_gpu_bytes=sum(u.kv for u in uses), compute_bytes=compute,
         total_gpu_bytes=sum(r.total_bytes for r in rows),
-        budget_bytes=sum(c.budget for c in cards) if gpu else budget_bytes(p),
-        fits=n_ctx > 0 and (all(r.fits for r in rows) if gpu else _fits_all(p, m, [], n_ctx, p.type_k, p.type_v)),
+        budget_bytes=sum(c.budget for c in cards) if gpu else ram,
+        fits=n_ctx > 0 and host <= ram and all(r.fits for r in rows),
         max_ctx={t: largest_ctx(p, m, t, t if p.flash_attn or t == "f16" else "f16", cards=cards) for t in KV_TYPES},
         cuda_context_bytes=CUDA_CONTEXT * local, prefill_growth_bytes=PREFILL_GROWTH * local,
         device_free_bytes=sum(c.free for c in cards), free_margin_bytes=int(p.free_margin_gb * GIB) if gpu else 0,
         limited_by=tight.limited_by if tight else "profile", split_mode=p.split_mode if len(cards) > 1 else "none",
-        devices=rows, shares=shares(p, cards) if cards else [],
+        devices=rows, shares=shares(p, cards) if cards else [], host_bytes=host, host_room_bytes=ram,
     )
+
+
+def _device_rows(p: Profile, m: ModelInfo, cards: list[Card], uses: list[CardUse]) -> list[DevicePlan]:
+    rows = []
+    for card, use in zip(cards, uses):
+        need, (room, why) = _card_need(p, m, card, use), card_room(p, card)
+        rows.append(DevicePlan(card.name, card.endpoint, use.layers, use.output, use.weights, use.kv, use.compute,
+                               need, room, card.free, why, need <= room, card.from_profile))
+    return rows
 
 
 def _gib(n: int) -> str:
@@ -273,15 +358,17 @@ def check_fits(plan: MemoryPlan, p: Profile) -> None:
                            f"({plan.n_ctx_train}); set n_ctx: {plan.n_ctx_train} or less (or auto)")
     if plan.fits:
         return
-    best = {t: c for t, c in plan.max_ctx.items() if c}
-    fix = ", ".join(f"{t}: n_ctx {c}" for t, c in best.items()) or "a smaller model or fewer n_gpu_layers"
+    best = ", ".join(f"{t}: n_ctx {c}" for t, c in plan.max_ctx.items() if c)
+    if plan.gpu and not plan.host_fits and all(d.fits for d in plan.devices):
+        raise _host_refusal(plan, p, best or "more n_gpu_layers or a smaller model")
+    fix = best or "a smaller model or fewer n_gpu_layers"
     if len(plan.devices) > 1:
         d = next(r for r in plan.devices if not r.fits)
         room = "what is free there now, less the margin" if d.limited_by == "free memory" else "its budget"
         raise ProfileError(f"{p.source}: {d.name} needs {_gib(d.total_bytes)} at n_ctx {plan.n_ctx} "
                            f"({d.layers} layers, {plan.type_k}/{plan.type_v} KV {_gib(d.kv_bytes)}) but its room is "
                            f"{_gib(d.room_bytes)} ({room}); largest that fits every device: {fix}")
-    need = plan.total_gpu_bytes if plan.gpu else plan.kv_bytes + plan.weights_cpu_bytes + plan.compute_bytes
+    need = plan.total_gpu_bytes if plan.gpu else plan.host_bytes
     where = "GPU memory" if plan.gpu else "free RAM"
     if plan.limited_by == "free memory":
         room = (f"only {_gib(plan.device_free_bytes)} is free on the card now (plus {_gib(plan.cuda_context_bytes)} "
@@ -290,3 +377,12 @@ def check_fits(plan: MemoryPlan, p: Profile) -> None:
         room = f"the budget is {_gib(plan.budget_bytes)}"
     raise ProfileError(f"{p.source}: needs {_gib(need)} of {where} at n_ctx {plan.n_ctx} "
                        f"({plan.type_k}/{plan.type_v} KV {_gib(plan.kv_bytes)}) but {room}; largest that fits: {fix}")
+
+
+def _host_refusal(plan: MemoryPlan, p: Profile, fix: str) -> ProfileError:
+    """The cards hold their share but host RAM cannot take what stays on the CPU: the sum, part by part."""
+    return ProfileError(
+        f"{p.source}: needs {_gib(plan.host_bytes)} of host RAM at n_ctx {plan.n_ctx}: the weights left on the CPU "
+        f"{_gib(plan.weights_cpu_bytes)} ({plan.layers_total - plan.layers_gpu} of {plan.layers_total} layers, the "
+        f"token embedding) + their KV {_gib(plan.host_kv_bytes)} + llama.cpp's host buffers "
+        f"{_gib(plan.host_buffer_bytes)}, but {_gib(plan.host_room_bytes)} is available; largest that fits: {fix}")

@@ -14,7 +14,7 @@ from dataclasses import replace
 from localchat.chat import transcript
 from localchat.chat.stats import TurnStats
 from localchat.chat.turns import NO_INPUTS, Progress, TextSink, TurnInputs
-from localchat.errors import SessionError
+from localchat.errors import ChatEnded, LocalchatError, SessionError
 from localchat.runtime import Runtime
 from localchat.session.background import BackgroundWriter
 from localchat.session.fingerprint import ModelHasher
@@ -36,8 +36,8 @@ class Session:
     conversation across runs."""
 
     def __init__(self, rt: Runtime, store: SessionDir | None, report: Report, autosave: bool,
-                 background: bool = False):
-        self.rt, self.chat, self.store, self.report = rt, rt.chat, store, report
+                 background: bool = False, prefix_store: bool = False):
+        self.store, self.report = store, report
         # True: a scheduler calls idle_step() while the user reads and types (terminal UI);
         # False: after_turn does the idle work at once (line mode)
         self.background = background
@@ -49,18 +49,34 @@ class Session:
         self._saved_relayouts = 0  # the history's official-form changes the saved state holds
         self.writer = BackgroundWriter(self._set_status)
         self.indexer: Indexer | None = None  # the search index follows the transcript (started with the first)
+        self._next = NO_INPUTS  # what resume found, for the next turn to report
+        self.bind(rt, prefix_store or store is not None)
+        self.restore_note = ""
+        self.ended = ""  # why the chat cannot go on (its model could not be loaded again): nothing runs
+        self.after_last_turn = False
+
+    def bind(self, rt: Runtime, prefix_store: bool, changed: bool = False) -> None:
+        """The runtime (model, engine, chat) this session's turns and saves go to: the one it opened with,
+        or the next model of /model (`changed`: its KV is not on disk yet)."""
+        self.rt, self.chat = rt, rt.chat
+        self._dirty, self._saved_relayouts = changed, rt.chat.ahead.relayouts
         about = SavedWith(rt.model.path, rt.model.name, rt.profile.name, rt.kv_bytes_per_token,
                           int(rt.profile.max_kv_disk_gb * GIB))
-        self.kv = KVDisk(rt.engine, ModelHasher(rt.model.path, start=store is not None), about)
-        self._next = NO_INPUTS  # what resume found, for the next turn to report
-        self.prefix_cache = PrefixCache(self.kv, self.writer) if store is not None else None
-        self.restore_note = ""
+        self.kv = KVDisk(rt.engine, ModelHasher(rt.model.path, start=prefix_store), about)
+        self.prefix_cache = PrefixCache(self.kv, self.writer) if prefix_store else None
 
     # ------------------------------------------------------------ opening
     @classmethod
-    def open(cls, rt: Runtime, args: argparse.Namespace, report: Report, background: bool = False) -> Session:
+    def open(cls, rt: Runtime, args: argparse.Namespace, report: Report, background: bool = False,
+             one_shot: bool = False) -> Session:
+        """The chat's session: named, the last one (-c), a new one, or none (--no-session keeps nothing on
+        disk; a one-shot prompt without --session or -c keeps no session but uses the prefix store)."""
         if getattr(args, "no_session", False):
             return cls(rt, None, report, autosave=False, background=background)
+        if one_shot and not (getattr(args, "session", None) or getattr(args, "resume_last", False)):
+            ctl = cls(rt, None, report, autosave=False, prefix_store=True)
+            ctl.after_last_turn = True  # the process ends with the reply: no idle work after it
+            return ctl
         name = getattr(args, "session", None)
         if getattr(args, "resume_last", False):
             recent = list_sessions()
@@ -82,9 +98,15 @@ class Session:
         """Load the transcript; restore the KV from disk or rebuild it, whichever is faster."""
         assert self.store is not None
         chat, engine = self.chat, self.rt.engine
-        chat.adopt(self.store.conversation())
+        conv = self.store.conversation()
+        carried = bool(conv.vocab) and conv.vocab != engine.signature()
+        if carried:  # a session of another model (/model, or --model): its text in this one's tokens
+            chat.carry_over(conv)
+        else:
+            chat.adopt(conv)
         window = chat.conv.window_tokens()
         head = f"session '{self.store.name}' resumed: {chat.conv.turns} turns, {len(window)} tokens in the window"
+        head += ", carried over from another model as text" if carried else ""
         if len(window) <= len(chat.conv.prefix):
             self.report(head)
             return
@@ -112,6 +134,8 @@ class Session:
         """One exchange; `started`: when the user pressed Enter (perf_counter), for the TTFT. A prefix
         loaded from disk is part of the wait for the first token. The user's message is on disk (fsynced)
         before its reply starts: a kill -9 mid-reply keeps it."""
+        if self.ended:
+            raise ChatEnded(f"the chat cannot go on: {self.ended}")
         started = time.perf_counter() if started is None else started
         TRACE.stamp("turn_start")
         self.rt.refit_threads()  # other programs may have started or stopped since the last turn
@@ -166,7 +190,7 @@ class Session:
             self.kv.measured["prefill_tps"] = st.recomputed_tokens / st.prefill_s
         if self.autosave:
             self._dirty = True
-        if self.background:
+        if self.background or self.after_last_turn:
             return
         self.chat.warm_next_head()  # the official form first: the saved state then holds it, and the head
         self._tell_layout_failure()
@@ -195,6 +219,8 @@ class Session:
         """One small piece of idle work, most urgent first: the history in its official form and the
         next head; attached documents (from the prefix store, or evaluated and stored); the autosave
         copy; the message being typed. False when there is nothing to do."""
+        if self.ended:
+            return False
         ahead = self.chat.ahead
         if ahead.step(typed=False):
             self._tell_layout_failure()
@@ -266,13 +292,26 @@ class Session:
         self.store = store
         self.autosave = self.rt.profile.autosave
 
+    def end(self, why: str) -> None:
+        """The chat cannot go on (its engine is gone): the transcript is on disk, nothing else is saved."""
+        self.flush_events()
+        self.ended, self.autosave = why, False
+
     def switch_to(self, store: SessionDir, new: bool) -> None:
         if not new and not store.transcript.exists():
             raise SessionError(f"no session named '{store.name}' (see /sessions)")
+        previous = self.store
         self._take(store)
         self.chat.new()
-        if not new:
+        if new:
+            return
+        try:
             self.resume()
+        except LocalchatError:  # a session of another model this one's template cannot take: back where it was
+            if previous is not None:
+                self._take(previous)
+                self.resume()
+            raise
 
     def save_as(self, name: str) -> None:
         """Copy the conversation into a new session and continue there."""

@@ -4,13 +4,14 @@ diagnostics on stderr. Used for pipes, scripts and tests."""
 from __future__ import annotations
 
 import io
+import json
 import signal
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
 
 from localchat.chat.stats import TurnStats
-from localchat.errors import LocalchatError, TemplateFailure
+from localchat.errors import ChatEnded, LocalchatError, TemplateFailure
 from localchat.session.lifecycle import Session
 from localchat.trace import TRACE
 from localchat.ui import slash, status
@@ -69,6 +70,35 @@ def run_lines(ctl: Session, after_turn: Callable[[TurnStats], None],
     return ending.exit_code
 
 
+def run_once(ctl: Session, message: str, after_turn: Callable[[TurnStats], None], as_json: bool = False,
+             show_reasoning: bool = False, verbose: bool = False) -> int:
+    """A one-shot prompt: its reply on stdout (with as_json, one object with the reply and the turn's
+    stats), nothing else unless verbose. Exit code: 0; 130 after Ctrl-C, 128 + the signal after SIGHUP
+    or SIGTERM (what came is kept and printed); 2 when the template failed."""
+    reply = io.StringIO()
+    out = _Output(reply if as_json else sys.stdout, sys.stderr)
+    with Ending() as ending, Interrupt() as interrupted:
+        TRACE.begin()
+        try:
+            st = ctl.turn(message, out.emit, lambda: interrupted() or bool(ending),
+                          on_thought=out.think if show_reasoning else None)
+            after_turn(st)
+        except TemplateFailure as exc:
+            out.note(f"localchat: {exc}")
+            return 2
+        TRACE.end()
+    out.end_thoughts()
+    if as_json:
+        session = ctl.store.name if ctl.store is not None else None
+        sys.stdout.write(json.dumps({"reply": reply.getvalue(), "session": session, "stats": st.to_json(),
+                                     "steps": [s.to_json() for s in st.steps]}, ensure_ascii=False) + "\n")
+    else:
+        out.emit("\n")
+    if verbose or st.cut:
+        out.note(status.summary_line(st))
+    return ending.exit_code or (130 if interrupted() else 0)
+
+
 class _Output:
     """stdout for the answers, stderr for the rest; a reasoning model's thoughts end their line before
     the answer starts."""
@@ -114,6 +144,9 @@ def _line(ctl: Session, line: str, after_turn: Callable[[TurnStats], None], out:
                 TRACE.end()
         except slash.Quit:
             return 0
+        except ChatEnded as exc:
+            out.note(f"localchat: {exc}")
+            return 2
         except TemplateFailure as exc:
             out.note(f"localchat: {exc}")
             return 2

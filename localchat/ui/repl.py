@@ -29,7 +29,7 @@ from prompt_toolkit.output import Output
 from prompt_toolkit.shortcuts import print_formatted_text
 
 from localchat.chat.stats import TurnStats
-from localchat.errors import LocalchatError
+from localchat.errors import ChatEnded, LocalchatError
 from localchat.session.lifecycle import Session
 from localchat.trace import TRACE
 from localchat.ui import approval, hangup, slash, status
@@ -82,6 +82,7 @@ class Repl:
         self.terminal: TextIO | None = sys.stdout if output is None else None  # /copy writes OSC 52 here
         self.refill = ""  # text a command (/edit) put in the next input line
         self.scheduler = Scheduler(ctl)
+        self.ended = False  # the chat could not go on (its model could not be loaded again): exit code 2
         self.ending = 0  # SIGHUP or SIGTERM asked the chat to end: the reply in flight stops, then the loop
         self.session: PromptSession = self._prompt_session()
         self.session.default_buffer.on_text_changed += self._typed_changed
@@ -268,6 +269,10 @@ class Repl:
                     TRACE.end()
             except slash.Quit:
                 break
+            except ChatEnded as exc:
+                self.print(f"localchat: {exc}", "class:cut")
+                self.ended = True
+                break
             except LocalchatError as exc:
                 self.print(f"localchat: {exc}", "class:cut")
             pending, self.refill = self.refill or typeahead.text, ""
@@ -290,7 +295,7 @@ class Repl:
         if isinstance(out, TurnStats):
             self._finish_turn(out)
             return ""
-        self.bar = bar_state(self.ctl) if line.split()[0] in ("/new", "/load") else self.bar
+        self.bar = bar_state(self.ctl) if line.split()[0] in ("/new", "/load", "/model") else self.bar
         self.bar.ctx_used = len(self.ctl.rt.engine.tokens)
         return out or ""
 
@@ -308,5 +313,5 @@ def run(ctl: Session, after_turn: AfterTurn, view: status.ViewPrefs | None = Non
     finally:
         repl.cancel.set()  # whatever ended the loop, the engine's thread stops before the session saves
         repl.scheduler.close()
-    return 128 + repl.ending if repl.ending else 0
+    return 128 + repl.ending if repl.ending else 2 if repl.ended else 0
 

@@ -13,7 +13,7 @@ from localchat.chat import attaching, transcript
 from localchat.chat.stats import TurnStats
 from localchat.errors import DocumentError, ModelError
 from localchat.machine import planview
-from localchat.session import memory, prefixcache, searchindex
+from localchat.session import memory, modelswitch, prefixcache, searchindex
 from localchat.session.lifecycle import Session, auto_name
 from localchat.session.sessiondir import SessionDir, list_sessions
 from localchat.settings import SETTING_KEYS
@@ -76,6 +76,12 @@ def _load(ctx: CommandContext, arg: str) -> str:
         return "usage: /load NAME (see /sessions)"
     ctx.ctl.switch_to(SessionDir(arg.strip()), new=False)
     return ctx.ctl.restore_note or f"loaded '{arg.strip()}'"
+
+
+def _model(ctx: CommandContext, arg: str) -> str:
+    if not arg.strip():
+        return modelswitch.listing(ctx.ctl)
+    return modelswitch.switch_model(ctx.ctl, arg.strip())
 
 
 def _sessions(ctx: CommandContext, arg: str) -> str:
@@ -297,6 +303,7 @@ COMMANDS: dict[str, Command] = {
     "/mcp": Command("/mcp [restart NAME]", "the MCP servers' state; restart one", _mcp),
     "/docs": Command("/docs [clear]", "attached documents; clear drops those not sent yet", _docs),
     "/profile": Command("/profile", "active settings and the memory plan", _profile),
+    "/model": Command("/model [NAME]", "switch the model (the conversation carried over), or list them", _model),
     "/pin": Command("/pin", "keep the last exchange in the window when the context fills", _pin),
     "/copy": Command("/copy [code [N]]", "the last reply, or its code block N, to the clipboard (OSC 52)", _copy),
     "/edit": Command("/edit", "write the next message in $EDITOR (also Ctrl-X Ctrl-E)", _edit),
