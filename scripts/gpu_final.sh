@@ -73,11 +73,13 @@ case $PHASE in
     ;;
   ui)  # the terminal UI's way to the first token: bench --typing with its stage trace beside llama-server (and,
        # where BEFORE names a folder holding an older localchat/, the same bench with it first), then decode
+    A=$(cd "$OUT" && pwd)  # absolute: the BEFORE run works from its own folder
     [ -n "${BEFORE:-}" ] && (cd "$BEFORE" && timeout 240 python3 -m localchat bench --typing --profile h200 \
-      --model $M/8b-gqa.gguf --repeat ${REPEAT:-5} --json "$OLDPWD/$OUT/typing-8b-before.json" > /dev/null \
-      2> "$OLDPWD/$OUT/typing-8b-before.err"; echo "typing (before) at $(( $(date +%s) - t0 )) s")
-    timeout 300 python3 -m localchat bench --typing --profile h200 --model $M/8b-gqa.gguf --repeat ${REPEAT:-5} \
-      --peer-server $B/llama-server --json "$OUT/typing-8b.json" > /dev/null 2> "$OUT/typing-8b.err"
+      --model $M/8b-gqa.gguf --repeat ${REPEAT:-5} --cps ${CPS:-60} --json "$A/typing-8b-before.json" > /dev/null \
+      2> "$A/typing-8b-before.err"; echo "typing (before) at $(( $(date +%s) - t0 )) s")
+    timeout ${TYPING_S:-480} python3 -m localchat bench --typing --profile h200 --model $M/8b-gqa.gguf \
+      --repeat ${REPEAT:-5} --cps ${CPS:-60} --peer-server $B/llama-server --json "$A/typing-8b.json" > /dev/null \
+      2> "$A/typing-8b.err"
     echo "typing at $(( $(date +%s) - t0 )) s"
     python3 scripts/trace_table.py "$OUT"/typing-8b*.json; tail -3 "$OUT/typing-8b.err"
     [ -n "${DECODE:-}" ] && timeout 200 python3 -m localchat bench --decode --profile h200 --model $M/8b-gqa.gguf \
@@ -90,8 +92,8 @@ case $PHASE in
     python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['tools']; [print(k, json.dumps(r[k])) for k in r \
       if k != 'approval_ttft_samples']" "$OUT/tools-8b.json"; tail -3 "$OUT/tools-8b.err"
     ;;
-  statecost)
-    for kv in f16 q8_0; do
+  statecost)  # KVS=f16 for one KV type; the pinned-memory copies beside the pageable ones on a CUDA build
+    for kv in ${KVS:-f16 q8_0}; do
       timeout 120 python3 scripts/state_load_cost.py $M/8b-gqa.gguf --tokens 20000 --kv-type $kv \
         >> "$OUT/state-cost-8b.jsonl" 2> "$OUT/state-cost-8b-$kv.err"
       echo "state cost ($kv) at $(( $(date +%s) - t0 )) s"

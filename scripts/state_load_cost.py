@@ -57,10 +57,59 @@ def main() -> None:
         ok = e.load_state(data, tokens)
         e.synchronize()
         out["copy_in_s"], out["loaded"] = time.perf_counter() - t, ok
+        out.update(_pinned(e, path, header, offset))
     out["load_total_s"] = out["read_verify_s"] + out["copy_in_s"]
     out["load_over_prefill"] = out["load_total_s"] / out["prefill_s"]
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
     e.close()
+
+
+def _pinned(e: Engine, path: Path, header, offset: int) -> dict:
+    """The same copies through pinned host memory (CUDA builds): its allocation, the copy out, the file read
+    into it on 8 threads and hashed, the copy in."""
+    from localchat.engine.pinned import PinnedBuffer
+    out: dict = {}
+    t = time.perf_counter()
+    try:
+        buf = PinnedBuffer(header.payload_size)
+    except OSError as exc:
+        return {"pinned": str(exc)}
+    out["pinned_alloc_s"] = time.perf_counter() - t
+    try:
+        out.update(_through(e, buf, path, header, offset))
+    finally:
+        buf.close()
+    return out
+
+
+def _through(e: Engine, buf, path: Path, header, offset: int) -> dict:
+    import ctypes
+    import os
+
+    import llama_cpp as lc
+    out: dict = {}
+    size = header.payload_size
+    for rep in range(3):
+        t = time.perf_counter()
+        lc.llama_state_seq_get_data(e.ctx, ctypes.cast(buf.array, ctypes.POINTER(ctypes.c_uint8)), size, 0)
+        out[f"pinned_copy_out_s_{rep}"] = time.perf_counter() - t
+    for rep in range(3):
+        t = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            buf.read_file(fd, offset, size)
+        finally:
+            os.close(fd)
+        out[f"pinned_read_s_{rep}"] = time.perf_counter() - t
+        t = time.perf_counter()
+        ok = statefile.chunked_sha256(buf.view(), header.payload_chunk) == header.payload_sha256
+        out[f"pinned_hash_s_{rep}"], out["pinned_hash_ok"] = time.perf_counter() - t, ok
+        t = time.perf_counter()
+        lc.llama_memory_clear(e.mem, True)
+        loaded = lc.llama_state_seq_set_data(e.ctx, ctypes.cast(buf.array, ctypes.POINTER(ctypes.c_uint8)), size, 0)
+        e.synchronize()
+        out[f"pinned_copy_in_s_{rep}"], out["pinned_loaded"] = time.perf_counter() - t, loaded == size
+    return out
 
 
 if __name__ == "__main__":

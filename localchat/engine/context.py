@@ -202,7 +202,14 @@ class Engine(VocabText):
             rewound = same + rewound  # everything was dropped
         chunk = target[self.n_kv:self.n_kv + max(0, min(max_tokens, self.config.n_batch, self.n_ctx - self.n_kv))]
         if chunk:
-            self._decode(chunk, self.n_kv, want_logits=logits and self.n_kv + len(chunk) == len(target))
+            ends = logits and self.n_kv + len(chunk) == len(target)
+            if ends and self.overlaps and len(chunk) > 1:
+                # the last token alone: the reply's first one-token step reuses its graph instead of building
+                # one on the way to the first text (llama.cpp rebuilds it when the batch shape changes)
+                self._decode(chunk[:-1], self.n_kv, want_logits=False)
+                self._decode(chunk[-1:], self.n_kv + len(chunk) - 1, want_logits=True)
+            else:
+                self._decode(chunk, self.n_kv, want_logits=ends)
             self.synchronize()  # done within this step, and booked in llama.cpp's counters now
         # one assignment: a pending sampled token is replaced by what was evaluated in its place
         self.tokens[self.n_kv:] = chunk
@@ -262,7 +269,7 @@ class Engine(VocabText):
                 text = decoder.decode(self.piece(tok))
                 room = self.n_ctx - self.n_kv - 2
                 steps = not (evaluated or inject or i == max_tokens - 1 or room < 0)
-                if steps and self.overlaps:
+                if steps and self.overlaps and i:  # not the first: the step after a prefill builds a graph
                     # the next evaluation starts before the text is handed out: a GPU computes while the UI draws
                     ahead, step = self._step(tok, draw, spec, min(room, max_tokens - 2 - i), top)
                     started = True
@@ -276,7 +283,7 @@ class Engine(VocabText):
                     return
                 if evaluated or started:
                     continue
-                if steps and spec:  # on the CPU the evaluation would hold the text back: it comes after
+                if steps and spec:  # on the CPU (and after a GPU's first token) the text goes first
                     ahead, step = self._step(tok, draw, spec, min(room, max_tokens - 2 - i), top)
                     continue
                 step = (top, 1, 0)
