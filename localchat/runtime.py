@@ -207,7 +207,17 @@ def engine_config(profile: Profile, info: ModelInfo, n_ctx: int, verbose: bool, 
         devices=tuple(cards), split_mode=profile.split_mode if len(cards) > 1 else "none",
         tensor_split=tuple(split), main_gpu=main, model_path=str(info.path), n_ctx=n_ctx,
         n_threads=thread_count(profile.n_threads) or cores,
-        n_threads_batch=thread_count(profile.n_threads_batch) or cores, verbose=verbose)
+        n_threads_batch=thread_count(profile.n_threads_batch) or cores, verbose=verbose,
+        pinned_bytes=pinned_bytes(plan))
+
+
+def pinned_bytes(plan: MemoryPlan | None) -> int:
+    """A pinned host buffer for the KV's state copies where the model runs on a GPU: the whole KV and
+    room for llama.cpp's state layout, kept only where host RAM has twice that to spare after the plan."""
+    if plan is None or not plan.gpu:
+        return 0
+    size = plan.kv_bytes + plan.kv_bytes // 64 + (16 << 20)
+    return size if plan.host_room_bytes - plan.host_bytes >= 2 * size else 0
 
 
 def _same_named(profile: Profile, target: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:

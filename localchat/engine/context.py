@@ -16,6 +16,7 @@ import llama_cpp as lc
 from localchat.engine.backend import SEQ, buffers, context_params, init_backend, model_params, start_buffer_log
 from localchat.engine.grammar import grammar_sampler
 from localchat.engine.loadlog import LOAD_LOG, explain
+from localchat.engine.pinned import Staging
 from localchat.engine.sampling import drawer, finite_logits, make_sampler
 from localchat.engine.speculative import Speculation, verify
 from localchat.engine.stepcost import StepCost
@@ -73,6 +74,8 @@ class Engine(VocabText):
         self.n_kv = 0  # how many of self.tokens are evaluated into the KV (the rest are pending)
         self.logits_end = -1  # the KV length whose last token's logits llama.cpp holds now (-1: none)
         self._piece_buf = ctypes.create_string_buffer(256)
+        # state copies through pinned memory: llama.cpp copies a state through the caller's buffer
+        self.staging = Staging(config.pinned_bytes) if config.pinned_bytes and self.overlaps else None
 
     # ------------------------------------------------------------------ vocabulary
     # ------------------------------------------------------------------ KV bookkeeping
@@ -356,19 +359,38 @@ class Engine(VocabText):
         self.padded = 0
 
     def state_bytes(self) -> memoryview:
-        """Copy this sequence's KV (the evaluated tokens) out of llama.cpp: one copy, no more."""
+        """Copy this sequence's KV (the evaluated tokens) out of llama.cpp: one copy, no more; through the
+        pinned buffer where it is free (then `state_done` once the copy is written)."""
         size = lc.llama_state_seq_get_size(self.ctx, SEQ)
+        pinned = self.staging.lend(size) if self.staging is not None else None
+        if pinned is not None:
+            written = lc.llama_state_seq_get_data(self.ctx, pinned.array, size, SEQ)
+            return pinned.view(written)
         data = bytearray(size)
         written = lc.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(data), size, SEQ)
         return memoryview(data)[:written]
+
+    def staged(self, size: int) -> memoryview | None:
+        """The pinned buffer's first `size` bytes, lent to read a state into for `load_state` (then
+        `state_done`); None where there is none free."""
+        pinned = self.staging.lend(size) if self.staging is not None else None
+        return pinned.view(size) if pinned is not None else None
+
+    def state_done(self, data: memoryview | bytes | bytearray) -> None:
+        """A state copy is written or loaded: the pinned buffer it may hold is free again."""
+        if self.staging is not None and isinstance(data, memoryview) and self.staging.owns(data):
+            self.staging.give_back()
 
     def load_state(self, data: bytes | bytearray | memoryview, tokens: list[int]) -> bool:
         """Restore a KV copied by state_bytes; the caller has verified it belongs here."""
         lc.llama_memory_clear(self.mem, True)
         self.tokens, self.n_kv, self.logits_end = [], 0, -1
         view = memoryview(data)
-        buf = (ctypes.c_uint8 * len(view)).from_buffer(view) if not view.readonly else \
-            (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
+        if self.staging is not None and self.staging.owns(view):
+            buf = view.obj  # the pinned buffer itself: copied to the card directly
+        else:
+            buf = (ctypes.c_uint8 * len(view)).from_buffer(view) if not view.readonly else \
+                (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
         if lc.llama_state_seq_set_data(self.ctx, buf, len(view), SEQ) == 0:
             lc.llama_memory_clear(self.mem, True)
             return False
@@ -379,6 +401,9 @@ class Engine(VocabText):
         return True
 
     def close(self) -> None:
+        staging, self.staging = getattr(self, "staging", None), None
+        if staging is not None:
+            staging.close()
         if getattr(self, "ctx", None):
             lc.llama_batch_free(self._batch)
             lc.llama_free(self.ctx)

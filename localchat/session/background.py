@@ -32,14 +32,20 @@ class BackgroundWriter:
         self._on_status = on_status
         self._cond = threading.Condition()
         self._job: Callable[[], object] | None = None
+        self._dropped: Callable[[], object] | None = None  # called if the queued job is replaced unrun
         self._busy = False
         self._thread = threading.Thread(target=self._loop, name="localchat-autosave", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], object]) -> None:
+    def submit(self, job: Callable[[], object], dropped: Callable[[], object] | None = None) -> None:
+        """Queue `job`; `dropped` runs instead if a newer job replaces it before it starts (what it holds
+        is let go)."""
         with self._cond:
-            self._job = job
+            replaced = self._dropped if self._job is not None else None
+            self._job, self._dropped = job, dropped
             self._cond.notify()
+        if replaced is not None:
+            replaced()
         self._on_status("saving")
 
     def _loop(self) -> None:
@@ -48,7 +54,7 @@ class BackgroundWriter:
             with self._cond:
                 while self._job is None:
                     self._cond.wait()
-                job, self._job, self._busy = self._job, None, True
+                job, self._job, self._dropped, self._busy = self._job, None, None, True
             try:
                 job()
                 status = "saved"

@@ -113,7 +113,6 @@ class KVDisk:
         """Load the saved state into the engine if it passes every check and loading beats
         re-prefilling the window; otherwise say why and leave the KV empty for a rebuild."""
         speeds = self.speeds()
-        engine = self.engine
         try:
             header, offset = statefile.read_header(path)
             check_state(header, window, self.hasher.value, self.settings)
@@ -125,8 +124,7 @@ class KVDisk:
                 raise _PrefillFaster(f"re-prefill ({est_prefill:.2f} s est.) beats loading "
                                      f"{header.payload_size / 1e6:.0f} MB ({est_load:.2f} s est.)")
             t0 = time.perf_counter()
-            payload = statefile.read_payload(path, header, offset)
-            if not engine.load_state(payload, header.tokens):
+            if not self.load(path, header, offset, header.tokens):
                 raise StateRejected("llama.cpp refused the state data")
             took = time.perf_counter() - t0
             self.save_speed("load_bps", header.payload_size / max(took, 1e-6))
@@ -136,6 +134,19 @@ class KVDisk:
             return Restored(False, f"chose re-prefill: {why}")
         except StateRejected as why:
             return Restored(False, f"saved KV not used: {why}; rebuilding from the transcript", str(why))
+
+    def load(self, path: Path, header: StateHeader, offset: int, tokens: list[int]) -> bool:
+        """A checked state file's payload into llama.cpp (through the engine's pinned buffer where it has
+        one free); StateRejected for a damaged file, False where llama.cpp refuses it."""
+        engine = self.engine
+        into = engine.staged(header.payload_size)
+        try:
+            payload = statefile.read_payload(path, header, offset) if into is None else \
+                statefile.read_payload_into(path, header, offset, into)
+            return engine.load_state(payload, tokens)
+        finally:
+            if into is not None:
+                engine.state_done(into)
 
     def rebuild(self, window: list[int], progress: Progress) -> tuple[int, float]:
         """Prefill what the KV lacks of the window; (tokens evaluated, seconds). The speed is kept."""
@@ -167,9 +178,12 @@ class KVDisk:
 
     def write(self, path: Path, payload: memoryview, tokens: list[int]) -> StateHeader:
         """Hash and write a state atomically (a background thread: it may wait for the model's hash)."""
-        header = statefile.make_header(payload, self.hasher.value, self.settings, tokens, llama_version())
-        paths.private_dir(path.parent)
-        atomic_write(path, [statefile.encode(header), payload])
+        try:
+            header = statefile.make_header(payload, self.hasher.value, self.settings, tokens, llama_version())
+            paths.private_dir(path.parent)
+            atomic_write(path, [statefile.encode(header), payload])
+        finally:
+            self.engine.state_done(payload)  # a pinned copy's buffer is free for the next
         return header
 
     def meta(self, name: str, created: float, turns: int, header: StateHeader) -> dict[str, Any]:

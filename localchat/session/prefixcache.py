@@ -78,7 +78,7 @@ class PrefixCache:
             atomic_write(path.with_suffix(META_SUFFIX), [json.dumps(meta).encode()])
             kv.prune(keep=path)
 
-        self.writer.submit(job)
+        self.writer.submit(job, dropped=lambda: kv.engine.state_done(payload))
 
     # ------------------------------------------------------------ finding
     def load_longest(self, target: list[int], ends: list[int]) -> int:
@@ -106,7 +106,7 @@ class PrefixCache:
                 if header.tokens != target[:n] or slower:
                     continue
                 t0 = time.perf_counter()
-                if not engine.load_state(statefile.read_payload(path, header, offset), target[:n]):
+                if not kv.load(path, header, offset, target[:n]):
                     continue
                 kv.save_speed("load_bps", header.payload_size / max(time.perf_counter() - t0, 1e-6))
             except (StateRejected, OSError):

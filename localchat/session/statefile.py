@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from localchat.engine.pinned import read_into
+
 MAGIC = b"LCKV"
 VERSION = 1
 MAX_HEADER = 16 << 20  # the token list of a 1M-token context fits well within this
@@ -148,3 +150,22 @@ def read_payload(path: Path, header: StateHeader, offset: int) -> memoryview:
     if digest != header.payload_sha256:
         raise StateRejected("state payload fails its checksum (damaged on disk)")
     return view
+
+
+def read_payload_into(path: Path, header: StateHeader, offset: int, into: memoryview) -> memoryview:
+    """The payload read into `into` (a pinned buffer of its size), after its size and sha256 are checked:
+    read in chunks on a pool of threads, each chunk hashed as soon as it is read."""
+    try:
+        with path.open("rb") as f:
+            if os.fstat(f.fileno()).st_size != offset + header.payload_size:
+                raise StateRejected("state payload is truncated")
+            chunk = header.payload_chunk or header.payload_size or 1
+            digest = lambda part: hashlib.sha256(part).digest()  # noqa: E731
+            parts = read_into(into, f.fileno(), offset, chunk, min(os.cpu_count() or 1, 16), digest)
+    except OSError as exc:
+        raise StateRejected(f"cannot read the state file: {exc.strerror or exc}") from exc
+    whole = hashlib.sha256(b"".join(parts)).hexdigest() if header.payload_chunk else (parts[0].hex() if parts else
+                                                                                       hashlib.sha256().hexdigest())
+    if whole != header.payload_sha256:
+        raise StateRejected("state payload fails its checksum (damaged on disk)")
+    return into
