@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 from collections.abc import Sequence
 
 from localchat import __version__
-from localchat.errors import LocalchatError
+from localchat.errors import LocalchatError, UsageError
 from localchat.options import overrides, profile_args, setting_args
 
 SUBCOMMANDS = ("chat", "models", "plan", "sessions", "search", "bench", "profiles", "cache", "mcp", "doctor",
@@ -19,6 +20,12 @@ COMPLETE = "__complete"  # what the shells' completion scripts call back; no com
 def _err(text: str) -> None:
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
+
+
+def _command_like(word: str) -> str:
+    """The subcommand a one-word prompt looks like a misspelling of ("" for none): a typo loads no model."""
+    close = difflib.get_close_matches(word.lower(), SUBCOMMANDS[1:], n=1, cutoff=0.8)
+    return close[0] if close else ""
 
 
 def chat_parser() -> argparse.ArgumentParser:
@@ -59,7 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv and argv[0] in SUBCOMMANDS[1:]:
             from localchat import commands
             return commands.run(argv[0], argv[1:])
-        args = chat_parser().parse_intermixed_args(argv[1:] if argv and argv[0] == "chat" else argv)
+        chat = bool(argv) and argv[0] == "chat"
+        args = chat_parser().parse_intermixed_args(argv[1:] if chat else argv)
+        if not chat and len(args.prompt) == 1 and (near := _command_like(args.prompt[0])):
+            raise UsageError(f"'{args.prompt[0]}' is not a command; did you mean '{near}'? (to send it as a "
+                             f"prompt: localchat chat {args.prompt[0]})")
         from localchat import app
         return app.run_chat(args, overrides(args))
     except LocalchatError as exc:

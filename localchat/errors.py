@@ -9,6 +9,10 @@ class ProfileError(LocalchatError):
     pass
 
 
+class UsageError(LocalchatError):
+    """A command line that cannot mean what it says (a one-word prompt that is a misspelt command)."""
+
+
 class ModelError(LocalchatError):
     pass
 

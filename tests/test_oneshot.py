@@ -55,6 +55,10 @@ def test_bad_one_shot_input_is_one_line_and_exit_2(home):
     assert empty.returncode == 2 and "the prompt is empty" in empty.stderr
     lonely = run_cli([*ONE, "--json"])
     assert lonely.returncode == 2 and "--json needs a PROMPT" in lonely.stderr
+    typo = run_cli(["sesions"])  # a misspelt command loads no model
+    assert typo.returncode == 2 and "did you mean 'sessions'?" in typo.stderr and len(typo.stderr.splitlines()) == 1
+    sent = run_cli(["chat", *ONE, "sesions"])
+    assert sent.returncode == 0 and sent.stdout.strip()  # after `chat` it is a prompt
 
 
 def test_without_a_prompt_stdin_lines_are_still_turns(home):
