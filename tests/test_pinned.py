@@ -1,8 +1,9 @@
-"""State copies through a pinned buffer (a CUDA build's): what can be checked without a GPU. A state file
-read into a buffer on a pool of threads, each chunk hashed as it is read, gives the bytes the mapped read
-gives and refuses what it refuses; a copy the autosave drops unwritten lets its buffer go; the chat keeps
-a buffer only where the model is on a GPU and host RAM has room for it twice. The copies themselves are
-measured on the H200 (docs/BENCHMARKS.md: Documents)."""
+"""State copies through a pinned buffer (a CUDA build's) and the writer that writes them: what can be
+checked without a GPU. A state file read into a buffer on a pool of threads, each chunk hashed as it is
+read, gives the bytes the mapped read gives and refuses what it refuses; a save the writer drops unwritten
+lets its buffer go, and a session save never drops a prefix snapshot; the chat keeps a buffer only where
+the model is on a GPU and host RAM has room for it twice. The copies themselves are measured on the H200
+(docs/BENCHMARKS.md: Documents)."""
 
 from __future__ import annotations
 
@@ -44,15 +45,17 @@ def test_a_state_read_into_a_buffer_is_the_mapped_read_and_a_damaged_one_is_refu
         statefile.read_payload_into(path, header, offset, into)
 
 
-def test_a_save_replaced_before_it_ran_lets_go_of_what_it_held():
+def test_a_save_replaced_before_it_ran_lets_go_of_what_it_held_and_a_snapshot_is_never_replaced_by_a_save():
     writer = BackgroundWriter(lambda status: None)
-    started, release, dropped = threading.Event(), threading.Event(), []
-    writer.submit(lambda: (started.set(), release.wait(10)))  # busy: the next job waits in the queue
+    started, release, dropped, ran = threading.Event(), threading.Event(), [], []
+    writer.submit(lambda: (started.set(), release.wait(10)), key="other")  # busy: the next jobs wait
     assert started.wait(10)
-    writer.submit(lambda: None, dropped=lambda: dropped.append("first"))
-    writer.submit(lambda: None, dropped=lambda: dropped.append("second"))  # replaces the first, unrun
+    writer.submit(lambda: ran.append("prefix"), key="prefix:a")
+    writer.submit(lambda: ran.append("save 1"), dropped=lambda: dropped.append("save 1"))
+    writer.submit(lambda: ran.append("save 2"), dropped=lambda: dropped.append("save 2"))  # replaces save 1
     release.set()
-    assert writer.wait(10) and dropped == ["first"]  # the second ran: nothing of it to let go
+    assert writer.wait(10) and dropped == ["save 1"]  # save 2 ran: nothing of it to let go
+    assert ran == ["prefix", "save 2"]  # the snapshot queued first was written, and first
 
 
 def test_a_pinned_buffer_is_planned_only_on_a_gpu_with_room_for_it(demo_path):

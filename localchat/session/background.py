@@ -26,23 +26,26 @@ def lower_priority(idle: bool = True) -> None:
 
 
 class BackgroundWriter:
-    """Writes state files off the main thread, one job at a time; a newer job replaces a queued one."""
+    """Writes state files off the main thread, one job at a time, in the order queued; a newer job of the
+    same kind (`key`: the session's state, one prefix) replaces a queued one, another kind waits its turn
+    (a session save never drops a prefix snapshot queued before it)."""
 
     def __init__(self, on_status: Callable[[str], None]):
         self._on_status = on_status
         self._cond = threading.Condition()
-        self._job: Callable[[], object] | None = None
-        self._dropped: Callable[[], object] | None = None  # called if the queued job is replaced unrun
+        # key -> (job, what to call if it is replaced unrun), oldest first
+        self._jobs: dict[str, tuple[Callable[[], object], Callable[[], object] | None]] = {}
         self._busy = False
         self._thread = threading.Thread(target=self._loop, name="localchat-autosave", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], object], dropped: Callable[[], object] | None = None) -> None:
-        """Queue `job`; `dropped` runs instead if a newer job replaces it before it starts (what it holds
-        is let go)."""
+    def submit(self, job: Callable[[], object], dropped: Callable[[], object] | None = None,
+               key: str = "session") -> None:
+        """Queue `job`; `dropped` runs instead if a newer job of the same `key` replaces it before it
+        starts (what it holds is let go)."""
         with self._cond:
-            replaced = self._dropped if self._job is not None else None
-            self._job, self._dropped = job, dropped
+            replaced = self._jobs.pop(key, (None, None))[1]
+            self._jobs[key] = (job, dropped)
             self._cond.notify()
         if replaced is not None:
             replaced()
@@ -52,9 +55,11 @@ class BackgroundWriter:
         lower_priority()
         while True:
             with self._cond:
-                while self._job is None:
+                while not self._jobs:
                     self._cond.wait()
-                job, self._job, self._dropped, self._busy = self._job, None, None, True
+                key = next(iter(self._jobs))
+                job, _ = self._jobs.pop(key)
+                self._busy = True
             try:
                 job()
                 status = "saved"
@@ -68,7 +73,7 @@ class BackgroundWriter:
     def wait(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._job is not None or self._busy:
+            while self._jobs or self._busy:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False

@@ -267,7 +267,7 @@ class Session:
             kv.keep_measured_speeds()
             kv.prune(keep=store.state)
 
-        self.writer.submit(job, dropped=lambda: kv.engine.state_done(payload))
+        self.writer.submit(job, dropped=lambda: kv.engine.state_done(payload), key=f"session:{store.state}")
         return took
 
     def _set_status(self, status: str) -> None:

@@ -78,7 +78,7 @@ class PrefixCache:
             atomic_write(path.with_suffix(META_SUFFIX), [json.dumps(meta).encode()])
             kv.prune(keep=path)
 
-        self.writer.submit(job, dropped=lambda: kv.engine.state_done(payload))
+        self.writer.submit(job, dropped=lambda: kv.engine.state_done(payload), key=f"prefix:{self.path(prefix)}")
 
     # ------------------------------------------------------------ finding
     def load_longest(self, target: list[int], ends: list[int]) -> int:
