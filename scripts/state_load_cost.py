@@ -102,7 +102,7 @@ def _through(e: Engine, buf, path: Path, header, offset: int) -> dict:
             os.close(fd)
         out[f"pinned_read_s_{rep}"] = time.perf_counter() - t
         t = time.perf_counter()
-        ok = statefile.chunked_sha256(buf.view(), header.payload_chunk) == header.payload_sha256
+        ok = statefile.chunked_digest(buf.view(), header.payload_chunk, header.digest) == header.payload_digest
         out[f"pinned_hash_s_{rep}"], out["pinned_hash_ok"] = time.perf_counter() - t, ok
         t = time.perf_counter()
         lc.llama_memory_clear(e.mem, True)

@@ -8,7 +8,9 @@ the model is on a GPU and host RAM has room for it twice. The copies themselves 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import struct
 import threading
 
 import pytest
@@ -68,3 +70,26 @@ def test_a_pinned_buffer_is_planned_only_on_a_gpu_with_room_for_it(demo_path):
     assert card.kv_bytes < size < card.kv_bytes * 1.1 + (16 << 20)  # the whole KV and llama.cpp's layout
     tight = dataclasses.replace(card, host_room_bytes=card.host_bytes + size)  # less than twice its size free
     assert runtime.pinned_bytes(tight) == 0
+
+
+def test_a_state_is_checked_by_crc32_chunks_and_one_written_with_sha256_chunks_still_loads(tmp_path):
+    payload = os.urandom(statefile.CHUNK + 999)
+    path, header, offset = _state(tmp_path, payload)
+    assert header.digest == "crc32" and header.payload_chunk == statefile.CHUNK
+    older = dataclasses.replace(header, digest="sha256",
+                                payload_digest=statefile.chunked_digest(memoryview(payload), statefile.CHUNK, "sha256"))
+    body = older.to_json()
+    body["payload_sha256"] = body.pop("payload_digest")  # as the files written before crc32 name it
+    del body["digest"]
+    raw = json.dumps(body).encode()
+    path.write_bytes(struct.pack("<4sII", statefile.MAGIC, statefile.VERSION, len(raw)) + raw + payload)
+    header, offset = statefile.read_header(path)
+    assert header.digest == "sha256"
+    into = memoryview(bytearray(header.payload_size))
+    assert bytes(statefile.read_payload_into(path, header, offset, into)) == payload
+    assert bytes(statefile.read_payload(path, header, offset)) == payload
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(StateRejected, match="fails its checksum"):
+        statefile.read_payload(path, header, offset)

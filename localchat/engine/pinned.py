@@ -10,10 +10,12 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 READ_CHUNK = 64 << 20  # a file is read into the buffer in chunks this large, on several threads
+HASH_PIECE = 1 << 20  # read and hashed in pieces this large: hashed while in the core's cache, not read again
 
 
 def _cudart() -> ctypes.CDLL | None:
@@ -55,18 +57,23 @@ class PinnedBuffer:
 
 
 def read_into(view: memoryview, fd: int, offset: int, chunk: int, threads: int,
-              each: Callable[[memoryview], bytes] | None = None) -> list[bytes]:
+              hasher: Callable[[], Any] | None = None) -> list[bytes]:
     """The file's bytes from `offset` into `view`, in chunks of `chunk` on `threads` threads (reads let go
-    of the GIL); `each(part)` on each chunk once it is read (a hash), its results in order."""
+    of the GIL); with a `hasher` (a factory of update/digest objects), each chunk's digest, in order: a
+    chunk is read a piece at a time and each piece hashed at once, while it is still in the core's cache."""
     def one(at: int) -> bytes:
         part = view[at:min(at + chunk, len(view))]
+        h = hasher() if hasher is not None else None
         done = 0
         while done < len(part):
-            got = os.preadv(fd, [part[done:]], offset + at + done)
+            piece = part[done:done + HASH_PIECE]
+            got = os.preadv(fd, [piece], offset + at + done)
             if got <= 0:
                 raise OSError("the file ended early")
+            if h is not None:
+                h.update(piece[:got])
             done += got
-        return each(part) if each is not None else b""
+        return bytes(h.digest()) if h is not None else b""
     with ThreadPoolExecutor(max(1, threads)) as pool:
         return list(pool.map(one, range(0, len(view), chunk)))
 

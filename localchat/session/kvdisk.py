@@ -4,7 +4,6 @@ copying it out for a save, the autosave budget, and the disk cap on all saved st
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -193,7 +192,7 @@ class KVDisk:
                 "model": {"path": str(about.model_path), "name": about.model_name, "fingerprint": header.fingerprint},
                 "llama_cpp_python": header.llama_cpp_python, "kv_settings": header.kv_settings,
                 "profile": about.profile_name, "turns": turns, "tokens": len(header.tokens),
-                "state": {"size": header.payload_size, "sha256": header.payload_sha256}}
+                "state": {"size": header.payload_size, "digest": f"{header.digest}:{header.payload_digest}"}}
 
     def keep_measured_speeds(self) -> None:
         if self.measured.get("prefill_tps"):
@@ -210,7 +209,7 @@ def _estimate_load(path: Path, offset: int, size: int) -> float:
     with path.open("rb") as f:
         f.seek(offset)
         sample = f.read(min(size, SAMPLE_BYTES))
-    hashlib.sha256(sample).digest()
+    statefile.chunk_hasher(statefile.DIGEST)().update(sample)
     took = time.perf_counter() - t0
     return 2 * size / max(len(sample) / max(took, 1e-6), 1.0)
 

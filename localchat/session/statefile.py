@@ -2,11 +2,14 @@
 
 Layout: b"LCKV" | u32 format version | u32 header length | header JSON | payload.
 The header names the model fingerprint, the KV settings, the tokens the KV holds and the
-payload's size and sha256. Every check runs here, before llama.cpp sees a byte.
+payload's size and digest. Every check runs here, before llama.cpp sees a byte.
 
-A payload is hashed in chunks, on as many cores as there are (a document's KV is gigabytes on a GPU,
-and one core hashes about 1.5 GB/s): its sha256 is that of the chunks' digests, laid end to end
-(`payload_chunk` names the chunk size; a file without it has the plain sha256 of its payload).
+A payload is checked in chunks, on as many cores as there are (a document's KV is gigabytes on a GPU):
+its digest is the sha256 of the chunks' own digests laid end to end (`payload_chunk` names the chunk size;
+a file without it has the plain sha256 of its payload). A chunk's digest is its CRC-32 (`digest: crc32`,
+what file systems check blocks with: it finds damage, and nothing here defends against a forged file,
+whose writer could write any digest), three times sha256's speed on one core, so a second chat on a
+long document waits for the disk, not for the check; files written with sha256 chunks are read as such.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import json
 import mmap
 import os
 import struct
+import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +33,7 @@ VERSION = 1
 MAX_HEADER = 16 << 20  # the token list of a 1M-token context fits well within this
 _PREFIX = struct.Struct("<4sII")
 CHUNK = 32 << 20
+DIGEST = "crc32"  # what a chunk's digest is, for the files written now
 
 
 class StateRejected(Exception):
@@ -40,14 +46,37 @@ class StateHeader:
     kv_settings: dict[str, Any]
     tokens: list[int]
     payload_size: int
-    payload_sha256: str
+    payload_digest: str
     llama_cpp_python: str
-    payload_chunk: int = 0  # the payload_sha256 is over digests of chunks this size (0: over the payload)
+    payload_chunk: int = 0  # the payload_digest is over digests of chunks this size (0: the payload's sha256)
+    digest: str = "sha256"  # a chunk's digest: sha256 or crc32
 
     def to_json(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "kv_settings": self.kv_settings, "tokens": self.tokens,
-                "payload_size": self.payload_size, "payload_sha256": self.payload_sha256,
+                "payload_size": self.payload_size, "payload_digest": self.payload_digest, "digest": self.digest,
                 "llama_cpp_python": self.llama_cpp_python, "payload_chunk": self.payload_chunk}
+
+
+class _Crc32:
+    """zlib's CRC-32 with hashlib's update/digest (zlib lets go of the GIL past a few kB)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def digest(self) -> bytes:
+        return self.value.to_bytes(4, "big")
+
+
+def chunk_hasher(digest: str) -> Callable[[], Any]:
+    """A new hasher (update, digest) of a chunk, by the header's `digest`."""
+    if digest == "crc32":
+        return _Crc32
+    if digest == "sha256":
+        return hashlib.sha256
+    raise StateRejected(f"state payload digest {digest!r} is unknown")
 
 
 def encode(header: StateHeader) -> bytes:
@@ -58,18 +87,23 @@ def encode(header: StateHeader) -> bytes:
 def make_header(payload: bytes | memoryview, fingerprint: str, kv_settings: dict[str, Any], tokens: list[int],
                 version: str) -> StateHeader:
     return StateHeader(fingerprint, dict(kv_settings), list(tokens), len(payload),
-                       chunked_sha256(memoryview(payload), CHUNK), version, CHUNK)
+                       chunked_digest(memoryview(payload), CHUNK, DIGEST), version, CHUNK, DIGEST)
 
 
-def chunked_sha256(view: memoryview, chunk: int) -> str:
+def chunked_digest(view: memoryview, chunk: int, digest: str) -> str:
     """The sha256 of the digests of `view`'s chunks laid end to end, the chunks hashed on a pool of
-    threads (hashlib lets go of the GIL; a mapped file's pages are read in as they are hashed)."""
+    threads (hashlib and zlib let go of the GIL; a mapped file's pages are read in as they are hashed)."""
+    hasher = chunk_hasher(digest)
+
+    def one(part: memoryview) -> bytes:
+        h = hasher()
+        h.update(part)
+        return bytes(h.digest())
     parts = [view[i:i + chunk] for i in range(0, len(view), chunk)]
-    digest = lambda part: hashlib.sha256(part).digest()  # noqa: E731
     if len(parts) <= 1:
-        return hashlib.sha256(b"".join(map(digest, parts))).hexdigest()
+        return hashlib.sha256(b"".join(map(one, parts))).hexdigest()
     with ThreadPoolExecutor(min(len(parts), os.cpu_count() or 1, 16)) as pool:
-        return hashlib.sha256(b"".join(pool.map(digest, parts))).hexdigest()
+        return hashlib.sha256(b"".join(pool.map(one, parts))).hexdigest()
 
 
 def read_header(path: Path) -> tuple[StateHeader, int]:
@@ -108,9 +142,11 @@ def _check_prefix(head: bytes, size: int) -> int:
 def _parse_header(raw: bytes, hlen: int, size: int) -> tuple[StateHeader, int]:
     try:
         d = json.loads(raw)
+        digest = d["payload_digest"] if "payload_digest" in d else d["payload_sha256"]  # sha256: written before crc32
         header = StateHeader(str(d["fingerprint"]), dict(d["kv_settings"]), [int(t) for t in d["tokens"]],
-                             int(d["payload_size"]), str(d["payload_sha256"]), str(d.get("llama_cpp_python", "")),
-                             int(d.get("payload_chunk", 0)))
+                             int(d["payload_size"]), str(digest), str(d.get("llama_cpp_python", "")),
+                             int(d.get("payload_chunk", 0)), str(d.get("digest", "sha256")))
+        chunk_hasher(header.digest)
     except (ValueError, KeyError, TypeError) as exc:
         raise StateRejected(f"state header is damaged ({type(exc).__name__})") from exc
     offset = _PREFIX.size + hlen
@@ -144,28 +180,28 @@ def read_payload(path: Path, header: StateHeader, offset: int) -> memoryview:
         raise StateRejected(f"cannot read the state file: {getattr(exc, 'strerror', None) or exc}") from exc
     view = memoryview(mapped)[offset:offset + header.payload_size]
     if header.payload_chunk > 0:
-        digest = chunked_sha256(view, header.payload_chunk)
+        digest = chunked_digest(view, header.payload_chunk, header.digest)
     else:
         digest = hashlib.sha256(view).hexdigest()
-    if digest != header.payload_sha256:
+    if digest != header.payload_digest:
         raise StateRejected("state payload fails its checksum (damaged on disk)")
     return view
 
 
 def read_payload_into(path: Path, header: StateHeader, offset: int, into: memoryview) -> memoryview:
-    """The payload read into `into` (a pinned buffer of its size), after its size and sha256 are checked:
-    read in chunks on a pool of threads, each chunk hashed as soon as it is read."""
+    """The payload read into `into` (a pinned buffer of its size), after its size and digest are checked:
+    read in chunks on a pool of threads, each piece of a chunk hashed as soon as it is read."""
+    hasher = chunk_hasher(header.digest if header.payload_chunk else "sha256")
     try:
         with path.open("rb") as f:
             if os.fstat(f.fileno()).st_size != offset + header.payload_size:
                 raise StateRejected("state payload is truncated")
             chunk = header.payload_chunk or header.payload_size or 1
-            digest = lambda part: hashlib.sha256(part).digest()  # noqa: E731
-            parts = read_into(into, f.fileno(), offset, chunk, min(os.cpu_count() or 1, 16), digest)
+            parts = read_into(into, f.fileno(), offset, chunk, min(os.cpu_count() or 1, 16), hasher)
     except OSError as exc:
         raise StateRejected(f"cannot read the state file: {exc.strerror or exc}") from exc
     whole = hashlib.sha256(b"".join(parts)).hexdigest() if header.payload_chunk else (parts[0].hex() if parts else
                                                                                        hashlib.sha256().hexdigest())
-    if whole != header.payload_sha256:
+    if whole != header.payload_digest:
         raise StateRejected("state payload fails its checksum (damaged on disk)")
     return into
