@@ -12,13 +12,15 @@
 #   bash scripts/gpu_final.sh tools OUTDIR     # build + the 8B shape, bench --tools against llama-server
 #   bash scripts/gpu_final.sh ui OUTDIR        # build + the 8B shape, bench --typing's stage trace against
 #                                               # llama-server (BEFORE=DIR: an older localchat/ there first)
+#   bash scripts/gpu_final.sh gap34 OUTDIR     # the 8B shape: bench --decode against llama-bench (its first step
+#                                               # apart), bench --document 20000 f16, the pinned state copies
 #   bash scripts/gpu_final.sh split OUTDIR     # two GPUs (nvidia-h200-x2): the 8B shape on one GPU, split by layer
 #                                               # and by row: plan per device, tokens, speeds, a session moved
 # A phase finds the build and the models of an earlier one on the same machine, else makes them.
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-case $PHASE in decode|document|statecost|split|split2|tools|ui) export MODELS=${MODELS:-8b-gqa};; demo) export MODELS=${MODELS:-tiny};; esac
+case $PHASE in decode|document|statecost|split|split2|tools|ui|gap34) export MODELS=${MODELS:-8b-gqa};; demo) export MODELS=${MODELS:-tiny};; esac
 # one model: the build and it fit with the runs (the demo phase brings its own)
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
@@ -99,6 +101,17 @@ case $PHASE in
       echo "state cost ($kv) at $(( $(date +%s) - t0 )) s"
     done
     cat "$OUT/state-cost-8b.jsonl"
+    ;;
+  gap34)
+    timeout 300 python3 -m localchat bench --decode --profile h200 --model $M/8b-gqa.gguf --repeat ${REPEAT:-5} \
+      --llama-bench $B/llama-bench --json "$OUT/decode-8b.json" 2> "$OUT/decode-8b.err" | tee "$OUT/decode-8b.txt"
+    echo "decode at $(( $(date +%s) - t0 )) s"
+    timeout 150 python3 -m localchat bench --document 20000 --profile h200 --model $M/8b-gqa.gguf --kv-type f16 \
+      --repeat 3 --json "$OUT/document-8b-f16.json" 2> "$OUT/document-8b-f16.err" | tee "$OUT/document-8b-f16.txt"
+    echo "document at $(( $(date +%s) - t0 )) s"
+    timeout 100 python3 scripts/pinned_check.py $M/8b-gqa.gguf --tokens 20000 > "$OUT/pinned-check-8b.json" \
+      2> "$OUT/pinned-check-8b.err"; cat "$OUT/pinned-check-8b.json"; tail -3 "$OUT/pinned-check-8b.err"
+    echo "pinned check at $(( $(date +%s) - t0 )) s"
     ;;
   split)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the x2 machine's rule

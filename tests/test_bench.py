@@ -40,12 +40,22 @@ def test_bench_modes_evaluate_the_same_tokens(tmp_path):
 
 
 def test_decode_bench_measures_drafts_and_load_bench_reads_the_load(tmp_path):
-    out = tmp_path / "decode.json"
-    r = run_cli(["bench", "--decode", "--load", "--repeat", "1", "--reply-tokens", "32", "--json", str(out)],
-                timeout=900)
+    out, calls = tmp_path / "decode.json", tmp_path / "llama-bench-calls"
+    # no llama-bench binary on this machine: a stand-in answering as it does (JSON rows), so the pairing of
+    # each round's figures with its own llama-bench run is checked; its speeds mean nothing
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n"
+                    "case \" $* \" in *' -n 1 '*) echo '[{\"avg_ts\": 250.0}]';; *) echo '[{\"avg_ts\": 100.0}]';; esac\n")
+    fake.chmod(0o755)
+    r = run_cli(["bench", "--decode", "--load", "--repeat", "1", "--reply-tokens", "32", "--json", str(out),
+                 "--llama-bench", str(fake)], timeout=900)
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
     repetitive, novel = result["decode"]["workloads"]["repetitive"], result["decode"]["workloads"]["not repetitive"]
+    for part in (repetitive, novel):  # each round's rate over the llama-bench run of the same round
+        lb = part["llama_bench"]
+        assert lb["over_llama_bench"] == {m: round(part["runs"][m][0] / 100.0, 3) for m in part["runs"]}
+        assert lb["tg1_ms"] == 4.0 and f"-d {lb['depth']} " in calls.read_text() and lb["depth"] > 0
     assert repetitive["acceptance"]["on"] > 0.5  # the reply quotes the pasted notice: most drafts hold
     assert novel["reply_tokens"] == 256 and set(novel["decode_tps"]) == {"off", "auto", "on"}
     for part in (repetitive, novel):  # where greedy replies part, it is said (README: Speed)

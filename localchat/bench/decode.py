@@ -20,6 +20,7 @@ from typing import Any
 from localchat import runtime
 from localchat.bench import report
 from localchat.bench.peer import run_llama_bench
+from localchat.chat.stats import TurnStats
 from localchat.chat.turns import Chat
 from localchat.engine import SamplingConfig
 from localchat.settings import Profile
@@ -41,6 +42,12 @@ MODES = ("off", "auto", "on")
 def fresh_reply(rt: runtime.Runtime, mode: str, text: str, reply_tokens: int) -> tuple[list[int], float, int, int, int]:
     """One greedy reply in a fresh chat: its tokens, wall tokens a second, drafted, accepted, the prompt's size.
     `mode` "draft": auto, with the profile's draft model where the history offers no draft."""
+    tokens, st = _fresh_turn(rt, mode, text, reply_tokens)
+    return (tokens, float(st.extra.get("wall_decode_tps", 0.0)), int(st.extra.get("draft_tokens", 0)),
+            int(st.extra.get("accepted_tokens", 0)), st.prompt_tokens)
+
+
+def _fresh_turn(rt: runtime.Runtime, mode: str, text: str, reply_tokens: int) -> tuple[list[int], TurnStats]:
     rt.engine.clear()
     settings = dataclasses.replace(runtime.chat_settings(rt.profile), speculate="auto" if mode == "draft" else mode,
                                    max_tokens=reply_tokens, sampling=SamplingConfig(temperature=0))
@@ -48,8 +55,7 @@ def fresh_reply(rt: runtime.Runtime, mode: str, text: str, reply_tokens: int) ->
     if mode == "draft" and chat.speculation is not None:
         chat.speculation.model = rt.draft
     st = chat.turn(text)
-    return (chat.conv.messages[-1].tokens, float(st.extra.get("wall_decode_tps", 0.0)),
-            int(st.extra.get("draft_tokens", 0)), int(st.extra.get("accepted_tokens", 0)), st.prompt_tokens)
+    return chat.conv.messages[-1].tokens, st
 
 
 def run_decode(profile: Profile, repeat: int, reply_tokens: int, report: Callable[[str], None],
@@ -60,33 +66,57 @@ def run_decode(profile: Profile, repeat: int, reply_tokens: int, report: Callabl
                                "repeat": repeat, "workloads": {}}
         modes = MODES + (("draft",) if rt.draft else ())
         for name, text in WORKLOADS.items():
-            rates: dict[str, list[float]] = {m: [] for m in modes}
-            replies: dict[str, list[int]] = {}
-            drafts: dict[str, list[int]] = {m: [0, 0] for m in modes}
-            tg_runs: list[float] = []
-            for r in range(repeat):
-                for mode in modes:
-                    report(f"bench --decode: {name}, speculation {mode}, run {r + 1}/{repeat}")
-                    tokens, tps, drafted, accepted, depth = fresh_reply(rt, mode, text, reply_tokens)
-                    replies.setdefault(mode, tokens)
-                    rates[mode].append(tps)
-                    drafts[mode][0] += drafted
-                    drafts[mode][1] += accepted
-                if llama_bench:  # interleaved with the modes: this machine's speed drifts between runs
-                    tg_runs.append(run_llama_bench(llama_bench, rt.engine.config, depth, reply_tokens, repeat=1))
-            med = {m: round(statistics.median(v), 1) for m, v in rates.items()}
-            out["workloads"][name] = {
-                "decode_tps": med, "runs": rates, "reply_tokens": len(replies["off"]),
-                "identical_replies": all(replies[m] == replies["off"] for m in modes),
-                "first_difference": {m: next((i for i, (a, b) in enumerate(zip(replies[m], replies["off"])) if a != b),
-                                             None) for m in modes},
-                "acceptance": {m: round(a / d, 3) if d else None for m, (d, a) in drafts.items()},
-                "over_off": {m: round(med[m] / med["off"], 3) for m in modes if med["off"]}}
-            if tg_runs:
-                tg = statistics.median(tg_runs)
-                out["workloads"][name]["llama_bench"] = {"depth": depth, "tg_tps": round(tg, 1), "runs": tg_runs,
-                                                         "over_llama_bench": {m: round(med[m] / tg, 3) for m in modes}}
+            out["workloads"][name] = _workload_runs(rt, modes, text, repeat, reply_tokens, report, name, llama_bench)
         return out
+
+
+def _workload_runs(rt: runtime.Runtime, modes: tuple[str, ...], text: str, repeat: int, reply_tokens: int,
+                   report: Callable[[str], None], name: str, llama_bench: str | None) -> dict[str, Any]:
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    steady: list[float] = []  # speculation off, after the first step
+    first_steps: list[float] = []
+    replies: dict[str, list[int]] = {}
+    drafts: dict[str, list[int]] = {m: [0, 0] for m in modes}
+    tg_runs: list[float] = []
+    tg1_runs: list[float] = []
+    depth = 0
+    for r in range(repeat):
+        # the order turns each round, so the machine's drift (a few per cent a minute on the H200 VM) falls
+        # on every mode and on llama-bench alike; each mode is compared with llama-bench of its own round
+        order = [*modes, "llama-bench"] if llama_bench else list(modes)
+        for mode in order[r % len(order):] + order[:r % len(order)]:
+            if mode == "llama-bench":  # last in the first round: the prompt's depth is known by then
+                tg_runs.append(run_llama_bench(llama_bench or "", rt.engine.config, depth, reply_tokens, repeat=1))
+                tg1_runs.append(run_llama_bench(llama_bench or "", rt.engine.config, depth, 1, repeat=1))
+                continue
+            report(f"bench --decode: {name}, speculation {mode}, run {r + 1}/{repeat}")
+            tokens, st = _fresh_turn(rt, mode, text, reply_tokens)
+            depth = st.prompt_tokens
+            replies.setdefault(mode, tokens)
+            rates[mode].append(float(st.extra.get("wall_decode_tps", 0.0)))
+            drafts[mode][0] += int(st.extra.get("draft_tokens", 0))
+            drafts[mode][1] += int(st.extra.get("accepted_tokens", 0))
+            if mode == "off" and "first_step_ms" in st.extra:
+                steady.append(float(st.extra["wall_decode_tps_after_first"]))
+                first_steps.append(float(st.extra["first_step_ms"]))
+    med = {m: round(statistics.median(v), 1) for m, v in rates.items()}
+    part: dict[str, Any] = {
+        "decode_tps": med, "runs": rates, "reply_tokens": len(replies["off"]),
+        "identical_replies": all(replies[m] == replies["off"] for m in modes),
+        "first_difference": {m: next((i for i, (a, b) in enumerate(zip(replies[m], replies["off"])) if a != b),
+                                     None) for m in modes},
+        "acceptance": {m: round(a / d, 3) if d else None for m, (d, a) in drafts.items()},
+        "over_off": {m: round(med[m] / med["off"], 3) for m in modes if med["off"]}}
+    if steady:  # the first step builds llama.cpp's one-token graph after the prompt's batches
+        part["off_after_first_step_tps"] = round(statistics.median(steady), 1)
+        part["off_first_step_ms"] = round(statistics.median(first_steps), 2)
+    if tg_runs:
+        paired = lambda runs: round(statistics.median(a / b for a, b in zip(runs, tg_runs)), 3)  # noqa: E731
+        part["llama_bench"] = {"depth": depth, "tg_tps": round(statistics.median(tg_runs), 1), "runs": tg_runs,
+                               "over_llama_bench": {m: paired(rates[m]) for m in modes},  # medians of rounds' ratios
+                               "tg1_ms": round(1000 / statistics.median(tg1_runs), 2),  # its first step alone
+                               "off_after_first_step_over": paired(steady) if len(steady) == len(tg_runs) else None}
+    return part
 
 
 def summary(result: dict[str, Any]) -> list[str]:
@@ -98,8 +128,12 @@ def summary(result: dict[str, Any]) -> list[str]:
 def _workload(name: str, part: dict[str, Any]) -> list[str]:
     lines = [f"  {name} ({part['reply_tokens']} tokens; same replies: {part['identical_replies']}): "
              f"{report.rates(part['decode_tps'], part['over_off'])}; accepted {part['acceptance']}"]
+    if "off_after_first_step_tps" in part:
+        lines.append(f"    speculation off after the first step: {part['off_after_first_step_tps']:.1f} tok/s; "
+                     f"the first step {part['off_first_step_ms']:.2f} ms")
     if "llama_bench" in part:
         lb = part["llama_bench"]
-        lines.append(f"    llama-bench tg at depth {lb['depth']}: {lb['tg_tps']:.1f} tok/s; "
-                     f"over it: {lb['over_llama_bench']}")
+        lines.append(f"    llama-bench tg at depth {lb['depth']}: {lb['tg_tps']:.1f} tok/s, its first token alone "
+                     f"{lb['tg1_ms']:.2f} ms; over it: {lb['over_llama_bench']}, off after the first step "
+                     f"{lb['off_after_first_step_over']}")
     return lines

@@ -499,6 +499,10 @@ class Chat:
         if len(gen.tokens) > 1 and gen.last_token_at > gen.first_token_at:
             # what the user sees: tokens per second of wall time, Python and UI included
             st.extra["wall_decode_tps"] = round((len(gen.tokens) - 1) / (gen.last_token_at - gen.first_token_at), 2)
+            if len(gen.tokens) > 2 and gen.last_token_at > gen.second_token_at > 0:  # the steady rate; the first step
+                st.extra["wall_decode_tps_after_first"] = round((len(gen.tokens) - 2) /
+                                                                (gen.last_token_at - gen.second_token_at), 2)
+                st.extra["first_step_ms"] = round((gen.second_token_at - gen.first_token_at) * 1000, 2)
             if st.extra.get("draft_tokens"):  # verified drafts are batches: llama.cpp counts them as prompt
                 st.decode_tps = st.extra["wall_decode_tps"]
         st.ctx_used = len(e.tokens)

@@ -260,10 +260,7 @@ class Engine(VocabText):
                         spec.record_step(top - step[0], step[1], step[2])
                     step = None
                 evaluated = bool(ahead)  # a kept draft token; the last one drawn is pending like any
-                gen.last_token_at = top
-                gen.first_token_at = top if i == 0 else gen.first_token_at
-                if i == 0:
-                    TRACE.stamp("first_token")
+                _stamp(gen, i, top)
                 self.tokens.append(tok)
                 gen.tokens.append(tok)
                 if self.is_eog(tok):
@@ -409,3 +406,13 @@ class Engine(VocabText):
             lc.llama_free(self.ctx)
             lc.llama_model_free(self.model)
             self.ctx = None
+
+
+def _stamp(gen: Generation, i: int, at: float) -> None:
+    """When reply token i was drawn: the first, the second (the first step's end) and the last."""
+    gen.last_token_at = at
+    if i == 0:
+        gen.first_token_at = at
+        TRACE.stamp("first_token")
+    elif i == 1:
+        gen.second_token_at = at

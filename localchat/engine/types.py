@@ -67,6 +67,7 @@ class Generation:
     tokens: list[int]
     stop_reason: str = ""  # eog, max_tokens, stop_string, cancelled, context_full
     first_token_at: float = 0.0
+    second_token_at: float = 0.0  # the first step (after a prefill llama.cpp builds a one-token graph) ends here
     last_token_at: float = 0.0
 
 

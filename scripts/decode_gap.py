@@ -1,0 +1,104 @@
+"""Where plain decode loses to llama-bench on a GPU: the same model and settings as the chat's engine
+(`localchat.runtime` for the profile), a prompt of `--depth` tokens, then `--tokens` greedy tokens three
+ways in one process: llama-bench's own loop through ctypes (llama_decode, then llama_synchronize, nothing
+read), that loop reading the logits and drawing the token (numpy argmax), and the engine's `generate`
+(what a chat runs); with `--llama-bench`, llama-bench itself as a fourth. The order turns each round, so
+the machine's drift (a few per cent over a minute on the H200 VM) falls on each way alike. One JSON
+object on stdout: tokens a second, medians of `--repeat` rounds, and each way over llama-bench and over
+the raw loop, round by round.
+
+    python scripts/decode_gap.py MODEL.gguf --profile h200 --depth 300 --tokens 256 --repeat 9 --llama-bench B
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import llama_cpp as lc  # noqa: E402
+
+from localchat import runtime  # noqa: E402
+from localchat.bench.peer import run_llama_bench  # noqa: E402
+from localchat.engine import Engine, SamplingConfig  # noqa: E402
+from localchat.engine.sampling import logits  # noqa: E402
+from localchat.engine.types import Generation  # noqa: E402
+from localchat.machine import profiles  # noqa: E402
+
+
+def _raw(e: Engine, start: int, n: int, draw: bool) -> float:
+    """llama-bench's loop from position `start` (its token is the last one evaluated); tokens a second."""
+    b, tok, n_vocab = e._batch, 1000, lc.llama_vocab_n_tokens(e.vocab)
+    t0 = time.perf_counter()
+    for i in range(n):
+        e._batch_tokens[0], e._batch_pos[0], b.logits[0], b.n_tokens = tok, start + i, 1, 1
+        lc.llama_decode(e.ctx, b)
+        if draw:
+            tok = int(logits(e.ctx, -1, n_vocab).argmax())
+        else:
+            lc.llama_synchronize(e.ctx)
+    return n / (time.perf_counter() - t0)
+
+
+def _generate(e: Engine, n: int) -> float:
+    gen = Generation([])
+    for _ in e.generate(e.make_sampler(SamplingConfig(temperature=0)), n, gen):
+        pass
+    return (len(gen.tokens) - 2) / (gen.last_token_at - gen.second_token_at)
+
+
+WAYS = ("raw", "raw_draw", "generate", "llama_bench")
+
+
+def _round(e: Engine, prompt: list[int], n: int, turn: int, bench: str | None) -> dict[str, float]:
+    out = {}
+    ways = [w for w in WAYS if bench or w != "llama_bench"]
+    for way in ways[turn % len(ways):] + ways[:turn % len(ways)]:
+        if way == "llama_bench":
+            out[way] = run_llama_bench(bench or "", e.config, len(prompt), n, repeat=1)
+            continue
+        e.clear()
+        e.prefill(prompt)
+        if way == "generate":
+            out[way] = _generate(e, n)
+            continue
+        lc.llama_synchronize(e.ctx)
+        e._decode([prompt[-1]], len(prompt), want_logits=True)  # the first step (the graph's build) apart
+        lc.llama_synchronize(e.ctx)
+        out[way] = _raw(e, len(prompt) + 1, n, way == "raw_draw")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--profile", default="h200")
+    ap.add_argument("--depth", type=int, default=300)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--llama-bench", help="its binary: timed in the same rounds")
+    a = ap.parse_args()
+    profile = profiles.with_overrides(profiles.load(a.profile), model=a.model)
+    with runtime.open_runtime(profile, lambda _: None) as rt:
+        cfg = dataclasses.replace(rt.engine.config, pinned_bytes=0)
+    e = Engine(cfg)
+    prompt = [(i * 7919) % 40000 + 100 for i in range(a.depth)]
+    rounds = [_round(e, prompt, a.tokens, turn, a.llama_bench) for turn in range(a.repeat)]
+    e.close()
+    ratios = {f"{w}_over_{base}": round(statistics.median(r[w] / r[base] for r in rounds), 4)
+              for base in ("llama_bench", "raw") if base in rounds[0] for w in rounds[0] if w != base}
+    print(json.dumps({"n_ctx": cfg.n_ctx, "threads": cfg.threads(), "depth": a.depth, "tokens": a.tokens,
+                      "threads_alive": [t.name for t in threading.enumerate()],
+                      "median_tps": {k: round(statistics.median(r[k] for r in rounds), 1) for k in rounds[0]},
+                      "median_ratio": ratios, "rounds": rounds}))
+
+
+if __name__ == "__main__":
+    main()
