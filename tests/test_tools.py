@@ -290,8 +290,13 @@ def test_calls_past_the_budget_wait_for_the_user(demo_engine, official_dir, tmp_
             st = chat.turn(QUESTION)
         ran = [m for m in chat.conv.messages if m.role == "tool"]
         assert asked == [(2, 1)]  # the third call would pass the budget of two
-        assert len(ran) == (3 if answer else 2) and len(st.steps) == len(ran)
-        assert st.recomputed_tokens <= st.new_tokens + 1
+        assert len(ran) == 3 and len(st.steps) == 3  # every call has its result, ...
+        assert [m.call["status"] for m in ran] == ["ok", "ok", "ok" if answer else "stopped"]  # ... run or not
+        assert answer or ("not run" in ran[-1].content and "Line 3" not in ran[-1].content)
+        assert st.cut != answer and st.recomputed_tokens <= st.new_tokens + 1
+        if not answer:  # the next turn takes up from the stopped call, its result rendered as the template does
+            nxt = chat.turn("Thanks.")
+            assert nxt.recomputed_tokens <= nxt.new_tokens + 1
 
 
 # ---------------------------------------------------------------- approval in the terminal UI

@@ -62,6 +62,10 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
     last, made = first, 0
     while not last.cut and (calls := chat.last_calls()):
         if made + len(calls) > chat.max_tool_calls and not (go_on is not None and go_on(made, len(calls))):
+            # each call gets its result (a template renders a call with none as still to answer), no reply
+            over = Stopped(f"not run: the user stopped the tool calls at this reply's budget ({made} made)")
+            steps.append(last)
+            last = step(calls, [over] * len(calls), False, time.perf_counter())
             break
         if made + len(calls) > chat.max_tool_calls:
             made = 0  # the user said go on: a new budget
