@@ -59,11 +59,12 @@ class Runtime:
     embedding: LazyEmbedder | None = None  # the profile's embedding_model, loaded on its first use
     requested: Profile | None = None  # the profile as asked for, before it was fitted to the model and build
 
-    def refit_threads(self, min_window: float = 0.0) -> None:
-        """Auto threads: as many as the cores other processes leave free now (two reads of /proc)."""
+    def refit_threads(self, min_window: float = 0.0, fresh: float = 0.0) -> None:
+        """Auto threads: as many as the cores other processes leave free now (two reads of /proc; none
+        where the last reading is younger than `fresh` seconds)."""
         if self.threads is None or not self.threads.auto:  # fixed numbers: nothing to refit
             return
-        choice = self.threads.choose(min_window)
+        choice = self.threads.choose(min_window, fresh)
         self.threads_why = choice.why
         if (choice.decode, choice.batch) != self.engine.threads:
             log.info("threads %s -> %d/%d (%s)", self.engine.threads, choice.decode, choice.batch, choice.why)

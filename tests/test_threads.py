@@ -98,3 +98,30 @@ def test_a_busy_process_takes_a_thread_and_gives_it_back_when_it_stops(home, tmp
     first, second = (json.loads(x) for x in stats.read_text().splitlines())
     assert first["threads"] == first["threads_batch"] == max(1, cores - 1)
     assert second["threads"] == cores
+
+
+def test_the_load_is_read_in_idle_time_and_a_turn_right_after_reads_nothing(home, demo_path):
+    """On the real demo model: the idle work ends with a reading of the load, so a message sent within
+    the next second takes its thread count from it (no /proc reads after Enter); later, a turn reads again."""
+    from localchat import runtime
+    from localchat.session.lifecycle import THREADS_FRESH_S, Session
+    rt = runtime.open_runtime(runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 4, "n_ctx": 1024}),
+                              lambda t: None)
+    try:
+        gauge = rt.threads.gauge
+        readings = []
+        real = gauge.others_busy
+        gauge.others_busy = lambda min_window=0.0: readings.append(time.monotonic()) or real(min_window)
+        ctl = Session(rt, None, lambda t: None, autosave=False)
+        time.sleep(THREADS_FRESH_S / 2)
+        while ctl.idle_step():
+            pass
+        assert len(readings) == 1  # the idle work ran out: the load read then
+        ctl.turn("Hi")
+        assert len(readings) == 1  # the turn took it: nothing read on its way to the first token
+        time.sleep(THREADS_FRESH_S + 0.1)
+        ctl.turn("And again")
+        assert len(readings) == 2  # too old: read again
+        ctl.close()
+    finally:
+        rt.close()

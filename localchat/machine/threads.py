@@ -147,9 +147,10 @@ class ThreadFit:
     def auto(self) -> bool:
         return self.gauge is not None
 
-    def choose(self, min_window: float = 0.0) -> ThreadChoice:
-        """Auto: the usable cores less those other processes kept busy (rounded), at least one."""
-        if self.gauge is None or (not min_window and self.gauge.elapsed() < SHORTEST_WINDOW):
+    def choose(self, min_window: float = 0.0, fresh: float = 0.0) -> ThreadChoice:
+        """Auto: the usable cores less those other processes kept busy (rounded), at least one. `fresh`:
+        a reading that young stands (the load it saw is the load now, to the kernel's accounting)."""
+        if self.gauge is None or (not min_window and self.gauge.elapsed() < max(SHORTEST_WINDOW, fresh)):
             return self.last  # fixed, or too soon after the last reading to tell anything
         busy = self.gauge.others_busy(min_window)
         free = max(1, self.cores - int(busy + 0.5))

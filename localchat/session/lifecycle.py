@@ -25,6 +25,7 @@ from localchat.session.sessiondir import SessionDir, list_sessions
 from localchat.trace import TRACE
 
 Report = Callable[[str], None]
+THREADS_FRESH_S = 1.0  # a load reading this young stands for the next turn's thread count
 
 
 def auto_name() -> str:
@@ -138,7 +139,8 @@ class Session:
             raise ChatEnded(f"the chat cannot go on: {self.ended}")
         started = time.perf_counter() if started is None else started
         TRACE.stamp("turn_start")
-        self.rt.refit_threads()  # other programs may have started or stopped since the last turn
+        # other programs may have started or stopped since the last turn (read in idle time where there was one)
+        self.rt.refit_threads(fresh=THREADS_FRESH_S)
         TRACE.stamp("threads_refit")
         cache, chat = self.prefix_cache, self.chat
         on_prefix = None
@@ -230,7 +232,10 @@ class Session:
         if self._save_due():
             self.save()
             return True
-        return ahead.step(typed=True)
+        if ahead.step(typed=True):
+            return True
+        self.rt.refit_threads(fresh=THREADS_FRESH_S / 2)  # the load read while nobody waits: not after Enter
+        return False
 
     def flush_events(self) -> None:
         if self.store is not None and self.chat.events:
