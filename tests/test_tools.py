@@ -291,9 +291,11 @@ def test_calls_past_the_budget_wait_for_the_user(demo_engine, official_dir, tmp_
         ran = [m for m in chat.conv.messages if m.role == "tool"]
         assert asked == [(2, 1)]  # the third call would pass the budget of two
         assert len(ran) == 3 and len(st.steps) == 3  # every call has its result, ...
-        assert [m.call["status"] for m in ran] == ["ok", "ok", "ok" if answer else "stopped"]  # ... run or not
+        assert [m.call["status"] for m in ran] == ["ok", "ok", "ok" if answer else "not_run"]  # ... run or not
         assert answer or ("not run" in ran[-1].content and "Line 3" not in ran[-1].content)
         assert st.cut != answer and st.recomputed_tokens <= st.new_tokens + 1
+        assert sum(s.extra["tool_calls"] for s in st.steps[1:] + [st]) == (3 if answer else 2)  # calls that ran
+        assert answer or "stopped at the reply's budget" in status.summary_line(st)
         if not answer:  # the next turn takes up from the stopped call, its result rendered as the template does
             nxt = chat.turn("Thanks.")
             assert nxt.recomputed_tokens <= nxt.new_tokens + 1

@@ -130,7 +130,8 @@ def _approval(engine: Engine, source: str, settings: ChatSettings, notes: str, r
         chat.max_tool_calls = 1  # a call the sampled reply may write is not run
         assert chat.tool_format is not None
         with forced_reply(engine, _tokens(engine, chat.tool_format.call_text([_calls(0)[0]])), None):
-            return chat.turn(QUESTION).ttft_s
+            st = chat.turn(QUESTION)
+        return (st.steps[1] if len(st.steps) > 1 else st).ttft_s  # the reply after "once", not a stopped call
 
 
 def _nothing_left(engine: Engine, source: str, settings: ChatSettings, notes: str) -> float:

@@ -29,6 +29,13 @@ class Stopped:
     status: str = "stopped"
 
 
+@dataclass(frozen=True)
+class NotRun:
+    """A call past the reply's budget of calls that the user chose not to go on with."""
+    text: str = "not run: the user stopped the tool calls at this reply's budget"
+    status: str = "not_run"
+
+
 class ToolRunner(Protocol):
     """What runs a chat's tool calls (approval included): the built-in tools, later MCP servers."""
 
@@ -49,8 +56,9 @@ class Steps(Protocol):
 
 
 GoOn = Callable[[int, int], bool]  # (calls made, calls asked) would pass the reply's budget: go on?
-# results in, the next reply out (answer: the user did not stop the loop; started: when the results were all in)
-Step = Callable[[list[ToolCall], list[Outcome], bool, float], TurnStats]
+# results in, the next reply out (stop: why there is none, "" to answer; started: when the results were all in)
+Step = Callable[[list[ToolCall], list[Outcome], str, float], TurnStats]
+BUDGET_STOP = "tool_budget"  # the turn's stop_reason where the user chose not to go on at the budget
 
 
 def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool] | None,
@@ -63,16 +71,15 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
     while not last.cut and (calls := chat.last_calls()):
         if made + len(calls) > chat.max_tool_calls and not (go_on is not None and go_on(made, len(calls))):
             # each call gets its result (a template renders a call with none as still to answer), no reply
-            over = Stopped(f"not run: the user stopped the tool calls at this reply's budget ({made} made)")
             steps.append(last)
-            last = step(calls, [over] * len(calls), False, time.perf_counter())
+            last = step(calls, [NotRun()] * len(calls), BUDGET_STOP, time.perf_counter())
             break
         if made + len(calls) > chat.max_tool_calls:
             made = 0  # the user said go on: a new budget
         outcomes, started = _outcomes(chat, calls, cancelled)
         made += len(calls)
         steps.append(last)
-        last = step(calls, outcomes, not (cancelled is not None and cancelled()), started)
+        last = step(calls, outcomes, "cancelled" if cancelled is not None and cancelled() else "", started)
     last.steps = steps
     return last
 

@@ -161,11 +161,12 @@ class Chat:
         return [ToolCall(c["name"], c.get("arguments", {}), c.get("id", "")) for c in last.calls]
 
     def tool_step(self, calls: list[ToolCall], outcomes: list[tools.Outcome], opts: replystream.ReplyOptions,
-                  answer: bool = True, started: float | None = None,
+                  stop: str = "", started: float | None = None,
                   on_message: Callable[[], None] | None = None) -> TurnStats:
         """One step of a tool loop: the results go in as the template's delta after the calls (the call's
-        end, each result as plain text, the next generation prompt), then the model replies (`answer`
-        False: Ctrl-C stopped the loop; the results are kept, the reply is left cut). The TTFT runs from
+        end, each result as plain text, the next generation prompt), then the model replies (`stop`: why it
+        does not, "cancelled" for Ctrl-C or tools.BUDGET_STOP; the results are kept, the reply left cut,
+        the turn's stop_reason says which). The TTFT runs from
         `started` (perf_counter), when the results were in; `on_message` is called once the call and its
         results are recorded (the session writes them to disk: a step once done is never lost)."""
         e = self.engine
@@ -175,13 +176,14 @@ class Chat:
         st = TurnStats(turn=self.conv.turns, n_ctx=e.n_ctx)
         heads, results, bodies = self._result_delta(calls, outcomes)
         st.new_tokens = sum(map(len, heads)) + sum(map(len, bodies))
-        self._room_for_step(st.new_tokens, st)
+        self._room_for_step(st.new_tokens, 0 if stop else self.settings.max_tokens, st)
         for call, outcome, head, body in zip(calls, outcomes, heads, bodies):
             self._record(self.conv.add_result(outcome.text, head, body, {"name": call.name, "id": call.id,
                                                                           "status": outcome.status}))
         if on_message is not None:
             on_message()
-        st.extra.update(step=len([m for m in self._exchange() if m.role == "assistant"]), tool_calls=len(calls),
+        ran = sum(o.status != "not_run" for o in outcomes)
+        st.extra.update(step=len([m for m in self._exchange() if m.role == "assistant"]), tool_calls=ran,
                         tool_result_tokens=sum(map(len, results)), prefetched_tokens=self._prefetched)
         self._prefetched = 0
         prompt = self.conv.window_tokens()
@@ -191,13 +193,13 @@ class Chat:
         try:
             pre = self._prefill(prompt, None, opts.cancelled, None, [])
         except Cancelled:
-            answer = False
+            stop = "cancelled"
             pre = PrefillResult(e.common_prefix(prompt), 0, 0.0, -1, False)
         st.cached_tokens, st.recomputed_tokens, st.prefill_s = pre.cached, pre.recomputed, pre.seconds
-        if not answer:
+        if stop:
             e.truncate(e.common_prefix(prompt))  # nothing evaluated ahead of a denied result stays in the KV
             self._record(self.conv.add_reply("", [], cut=True))
-            st.stop_reason, st.cut = "cancelled", True
+            st.stop_reason, st.cut = stop, True
             return self._finish(st, t0, gen, NO_INPUTS)
         e.synchronize()
         prompt_eval = int(e.perf()["prompt_n"])
@@ -221,13 +223,14 @@ class Chat:
             self.engine.synchronize()  # done now, and booked in llama.cpp's counters before the step's
             self.prefetch_done.set()
 
-    def _room_for_step(self, added: int, st: TurnStats) -> None:
-        """Older exchanges leave the window if the step's results and reply would not fit; this exchange stays."""
+    def _room_for_step(self, added: int, reply: int, st: TurnStats) -> None:
+        """Older exchanges leave the window if the step's results (`added` tokens) and its reply (room for
+        `reply` more; none where no reply follows) would not fit; this exchange stays."""
         user = self._exchange()[0]
         pinned, user.pinned = user.pinned, True
         try:
             evicted = overflow.make_room(self.engine, self.conv, self.ahead, self.overflow,
-                                         added + self.settings.max_tokens, st)
+                                         added + reply, st)
         finally:
             user.pinned = pinned
         if evicted:
@@ -362,8 +365,8 @@ class Chat:
         st = self._finish(st, t0, gen, inputs, prompt_eval)
         if self.runner is None:
             return st
-        return tools.loop(self, st, lambda calls, outcomes, answer, started: self.tool_step(
-            calls, outcomes, opts, answer, started, on_message), cancelled, self.go_on)
+        return tools.loop(self, st, lambda calls, outcomes, stop, started: self.tool_step(
+            calls, outcomes, opts, stop, started, on_message), cancelled, self.go_on)
 
     def _lay_out(self, text: str, st: TurnStats, inputs: TurnInputs) -> _Laid:
         """Make room, add the user's message with its delta, and say where the turn's own tokens start."""
@@ -499,7 +502,8 @@ class Chat:
         if len(gen.tokens) > 1 and gen.last_token_at > gen.first_token_at:
             # what the user sees: tokens per second of wall time, Python and UI included
             st.extra["wall_decode_tps"] = round((len(gen.tokens) - 1) / (gen.last_token_at - gen.first_token_at), 2)
-            if len(gen.tokens) > 2 and gen.last_token_at > gen.second_token_at > 0:  # the steady rate; the first step
+            # the steady rate and the first step, of one-token steps (a draft's batch is a step of several)
+            if len(gen.tokens) > 2 and gen.last_token_at > gen.second_token_at > 0 and not st.extra.get("draft_tokens"):
                 st.extra["wall_decode_tps_after_first"] = round((len(gen.tokens) - 2) /
                                                                 (gen.last_token_at - gen.second_token_at), 2)
                 st.extra["first_step_ms"] = round((gen.second_token_at - gen.first_token_at) * 1000, 2)

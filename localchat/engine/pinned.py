@@ -66,7 +66,7 @@ def read_into(view: memoryview, fd: int, offset: int, chunk: int, threads: int,
         h = hasher() if hasher is not None else None
         done = 0
         while done < len(part):
-            piece = part[done:done + HASH_PIECE]
+            piece = part[done:done + HASH_PIECE] if h is not None else part[done:]
             got = os.preadv(fd, [piece], offset + at + done)
             if got <= 0:
                 raise OSError("the file ended early")

@@ -116,7 +116,7 @@ class KVDisk:
             header, offset = statefile.read_header(path)
             check_state(header, window, self.hasher.value, self.settings)
             est_load = header.payload_size / speeds["load_bps"] if speeds.get("load_bps") else \
-                _estimate_load(path, offset, header.payload_size)
+                _estimate_load(path, offset, header)
             prefill_tps = speeds.get("prefill_tps")
             est_prefill = len(window) / prefill_tps if prefill_tps else float("inf")
             if est_prefill < est_load:
@@ -202,14 +202,15 @@ class KVDisk:
         prune_kv(self.about.max_disk_bytes, keep)
 
 
-def _estimate_load(path: Path, offset: int, size: int) -> float:
-    """Seconds to read, check and hand over a state, from reading and hashing a sample of it
-    (the copy into llama.cpp costs about as much again)."""
+def _estimate_load(path: Path, offset: int, header: StateHeader) -> float:
+    """Seconds to read, check and hand over a state, from reading and hashing a sample of it with its own
+    digest (the copy into llama.cpp costs about as much again)."""
+    size = header.payload_size
     t0 = time.perf_counter()
     with path.open("rb") as f:
         f.seek(offset)
         sample = f.read(min(size, SAMPLE_BYTES))
-    statefile.chunk_hasher(statefile.DIGEST)().update(sample)
+    statefile.chunk_hasher(header.digest if header.payload_chunk else "sha256")().update(sample)
     took = time.perf_counter() - t0
     return 2 * size / max(len(sample) / max(took, 1e-6), 1.0)
 

@@ -139,8 +139,8 @@ class Session:
             raise ChatEnded(f"the chat cannot go on: {self.ended}")
         started = time.perf_counter() if started is None else started
         TRACE.stamp("turn_start")
-        # other programs may have started or stopped since the last turn (read in idle time where there was one)
-        self.rt.refit_threads(fresh=THREADS_FRESH_S)
+        # other programs may have started or stopped since the last turn (the terminal UI read it in idle time)
+        self.rt.refit_threads(fresh=THREADS_FRESH_S if self.background else 0.0)
         TRACE.stamp("threads_refit")
         cache, chat = self.prefix_cache, self.chat
         on_prefix = None
@@ -220,7 +220,8 @@ class Session:
     def idle_step(self) -> bool:
         """One small piece of idle work, most urgent first: the history in its official form and the
         next head; attached documents (from the prefix store, or evaluated and stored); the autosave
-        copy; the message being typed. False when there is nothing to do."""
+        copy; the message being typed. False when there is nothing to do (the load is read then, for the
+        next turn's thread count)."""
         if self.ended:
             return False
         ahead = self.chat.ahead

@@ -33,6 +33,7 @@ VERSION = 1
 MAX_HEADER = 16 << 20  # the token list of a 1M-token context fits well within this
 _PREFIX = struct.Struct("<4sII")
 CHUNK = 32 << 20
+MIN_CHUNK = 1 << 20  # smaller chunks are refused: a header could ask for billions of them
 DIGEST = "crc32"  # what a chunk's digest is, for the files written now
 
 
@@ -145,7 +146,7 @@ def _parse_header(raw: bytes, hlen: int, size: int) -> tuple[StateHeader, int]:
         digest = d["payload_digest"] if "payload_digest" in d else d["payload_sha256"]  # sha256: written before crc32
         header = StateHeader(str(d["fingerprint"]), dict(d["kv_settings"]), [int(t) for t in d["tokens"]],
                              int(d["payload_size"]), str(digest), str(d.get("llama_cpp_python", "")),
-                             int(d.get("payload_chunk", 0)), str(d.get("digest", "sha256")))
+                             _chunk_size(d.get("payload_chunk", 0)), str(d.get("digest", "sha256")))
         chunk_hasher(header.digest)
     except (ValueError, KeyError, TypeError) as exc:
         raise StateRejected(f"state header is damaged ({type(exc).__name__})") from exc
@@ -154,6 +155,13 @@ def _parse_header(raw: bytes, hlen: int, size: int) -> tuple[StateHeader, int]:
         raise StateRejected(f"state file is {size} bytes, its header says {offset + header.payload_size} "
                             "(truncated or padded)")
     return header, offset
+
+
+def _chunk_size(value: Any) -> int:
+    """A header's payload_chunk: 0 (one digest of the whole payload) or a size of at least MIN_CHUNK."""
+    if type(value) is not int or not (value == 0 or value >= MIN_CHUNK):
+        raise StateRejected(f"state header's payload_chunk {str(value)[:20]!r} is impossible")
+    return value
 
 
 def check_header(header: StateHeader, fingerprint: str, kv_settings: dict[str, Any]) -> None:
@@ -166,7 +174,7 @@ def check_header(header: StateHeader, fingerprint: str, kv_settings: dict[str, A
 
 
 def read_payload(path: Path, header: StateHeader, offset: int) -> memoryview:
-    """The payload, after its size and sha256 are checked: the file mapped copy-on-write (no read copy,
+    """The payload, after its size and digest are checked: the file mapped copy-on-write (no read copy,
     which ran at 1.5 GB/s on the H200 machine; writable, as llama.cpp's loader wants), hashed in
     parallel chunks."""
     try:

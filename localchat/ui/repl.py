@@ -180,7 +180,7 @@ class Repl:
             self.print_fragments(fragments)
         self.reply = self.live.reply
         if st is not None and st.cut:
-            self.print(f"[reply cut: {st.stop_reason}]", "class:cut")
+            self.print(f"[{status.cut_words(st)}]", "class:cut")
 
     def _thought_sink(self, text: str) -> None:
         self.live.think(text)

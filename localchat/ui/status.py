@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localchat.chat.stats import TurnStats
+from localchat.chat.tools import BUDGET_STOP
 
 Fragments = list[tuple[str, str]]
 
@@ -52,6 +53,14 @@ def _where(s: BarState) -> str:
     return f"| GPU {s.layers_gpu}/{s.layers_total} " if s.layers_gpu else "| CPU "
 
 
+BUDGET_WORDS = "tool calls stopped at the reply's budget"
+
+
+def cut_words(st: TurnStats) -> str:
+    """Why the reply is cut, as the terminal says it under the reply."""
+    return BUDGET_WORDS if st.stop_reason == BUDGET_STOP else f"reply cut: {st.stop_reason}"
+
+
 def _reply_parts(st: TurnStats) -> list[str]:
     """What the reply was made of, where it tells something: thoughts apart, drafts verified."""
     parts = []
@@ -87,7 +96,7 @@ def summary_line(st: TurnStats) -> str:
     if st.kv_restored:
         parts.append("KV restored")
     if st.cut:
-        parts.append(f"cut ({st.stop_reason})")
+        parts.append(BUDGET_WORDS if st.stop_reason == BUDGET_STOP else f"cut ({st.stop_reason})")
     if st.miss_cause:
         parts.append(f"MISS: {st.miss_cause}")
     return " | ".join(parts)

@@ -106,7 +106,8 @@ def _mutations(state: bytes, rng: random.Random) -> list[tuple[str, bytes | None
         out.append((f"header without {key}", with_header(h)))
     edits = {"payload_size": [-1, 0, len(payload) + 1, "x"], "tokens": [[], header["tokens"][:-1],
              header["tokens"] + [1], "abc", [None]], "fingerprint": ["sha256:" + "0" * 64, 7],
-             "kv_settings": [{**header["kv_settings"], "type_k": "q8_0"}, {}, []], "payload_digest": ["0" * 64], "digest": ["md5", 3]}
+             "kv_settings": [{**header["kv_settings"], "type_k": "q8_0"}, {}, []], "payload_digest": ["0" * 64],
+             "digest": ["md5", 3], "payload_chunk": [-1, 1, "x", True, 1.5, 0]}
     for key, values in edits.items():
         out += [(f"header {key}={str(v)[:20]}", with_header({**header, key: v})) for v in values]
     out.append(("benign: other llama-cpp-python version", with_header({**header, "llama_cpp_python": "9.9"})))
