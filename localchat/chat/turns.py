@@ -182,7 +182,7 @@ class Chat:
                                                                           "status": outcome.status}))
         if on_message is not None:
             on_message()
-        ran = sum(o.status != "not_run" for o in outcomes)
+        ran = sum(not isinstance(o, tools.NotRun) for o in outcomes)
         st.extra.update(step=len([m for m in self._exchange() if m.role == "assistant"]), tool_calls=ran,
                         tool_result_tokens=sum(map(len, results)), prefetched_tokens=self._prefetched)
         self._prefetched = 0

@@ -210,7 +210,7 @@ def _estimate_load(path: Path, offset: int, header: StateHeader) -> float:
     with path.open("rb") as f:
         f.seek(offset)
         sample = f.read(min(size, SAMPLE_BYTES))
-    statefile.chunk_hasher(header.digest if header.payload_chunk else "sha256")().update(sample)
+    statefile.payload_hasher(header)().update(sample)
     took = time.perf_counter() - t0
     return 2 * size / max(len(sample) / max(took, 1e-6), 1.0)
 

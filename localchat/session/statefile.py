@@ -80,6 +80,12 @@ def chunk_hasher(digest: str) -> Callable[[], Any]:
     raise StateRejected(f"state payload digest {digest!r} is unknown")
 
 
+def payload_hasher(header: StateHeader) -> Callable[[], Any]:
+    """The hasher of the pieces a header's payload digest is made of: its chunks', or the whole payload's
+    sha256 where it has no chunks."""
+    return chunk_hasher(header.digest if header.payload_chunk else "sha256")
+
+
 def encode(header: StateHeader) -> bytes:
     body = json.dumps(header.to_json(), separators=(",", ":")).encode()
     return _PREFIX.pack(MAGIC, VERSION, len(body)) + body
@@ -199,7 +205,7 @@ def read_payload(path: Path, header: StateHeader, offset: int) -> memoryview:
 def read_payload_into(path: Path, header: StateHeader, offset: int, into: memoryview) -> memoryview:
     """The payload read into `into` (a pinned buffer of its size), after its size and digest are checked:
     read in chunks on a pool of threads, each piece of a chunk hashed as soon as it is read."""
-    hasher = chunk_hasher(header.digest if header.payload_chunk else "sha256")
+    hasher = payload_hasher(header)
     try:
         with path.open("rb") as f:
             if os.fstat(f.fileno()).st_size != offset + header.payload_size:
