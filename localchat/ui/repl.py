@@ -10,6 +10,7 @@ when the reply ends it is printed into the scrollback and the prompt comes back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import sys
@@ -35,6 +36,7 @@ from localchat.trace import TRACE
 from localchat.ui import approval, hangup, slash, status
 from localchat.ui.liveview import STYLE, LiveReply
 from localchat.ui.scheduler import Scheduler
+from localchat.ui.ttymode import keys_unechoed
 
 AfterTurn = Callable[[TurnStats], None]
 Job = Callable[[Callable[[str], None], Callable[[], bool], Callable[[int, int], None]], "slash.Outcome | None"]
@@ -305,7 +307,8 @@ def run(ctl: Session, after_turn: AfterTurn, view: status.ViewPrefs | None = Non
     """The terminal UI until Ctrl-D, /quit, SIGHUP or SIGTERM; the exit code (128 + the signal, or 0)."""
     repl = Repl(ctl, after_turn, view=view, asking=asking)
     try:
-        asyncio.run(repl.run_async())
+        with keys_unechoed(sys.stdin) if repl.input is None else contextlib.nullcontext():
+            asyncio.run(repl.run_async())
     except OSError:
         if not repl.ending:
             raise
