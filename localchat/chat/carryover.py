@@ -42,5 +42,6 @@ def _documents(m: Message, vocab: Vocab) -> list[int]:
     for d in m.documents:
         block = vocab.tokenize(m.content[at:at + d["chars"]], special=False)
         d["tokens"], at = len(block), at + d["chars"]
+        d.pop("image", None)  # an image goes over as its line of text: the old projector's encoding means nothing here
         tokens += block
     return tokens

@@ -36,9 +36,11 @@ class Document:
     block: str  # the framed text (`frame`)
     sha256: str  # of the bytes read: a file changed since has another key in the prefix store
     tokens: list[int] = field(default_factory=list)  # the block's tokens, counted when it is attached
+    image: dict | None = None  # an image: its size, its image tokens and key (its tokens are the projector's)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "sha256": self.sha256, "chars": len(self.block), "tokens": len(self.tokens)}
+        d = {"name": self.name, "sha256": self.sha256, "chars": len(self.block), "tokens": len(self.tokens)}
+        return {**d, "image": self.image} if self.image is not None else d
 
 
 class Attachments:
@@ -70,7 +72,7 @@ class Attachments:
         docs = []
         for rec in m.documents:
             docs.append(Document(rec["name"], m.content[chars:chars + rec["chars"]], rec["sha256"],
-                                 m.tokens[toks:toks + rec["tokens"]]))
+                                 m.tokens[toks:toks + rec["tokens"]], rec.get("image")))
             chars, toks = chars + rec["chars"], toks + rec["tokens"]
         self.pending = docs + self.pending
 
@@ -119,18 +121,23 @@ def read_stream(stream: BinaryIO, name: str) -> Document | None:
     return _document(name, data, data[:5] == b"%PDF-") if data.strip() else None
 
 
-def read_file(path: Path, name: str) -> Document:
+def read_limited(path: Path, name: str, limit: int, why: str) -> bytes:
+    """A file's bytes, refused with one line where it is over `limit` (`why` says why that is enough) or cannot
+    be read."""
     try:
-        if path.stat().st_size > MAX_BYTES:
-            raise DocumentError(f"{name} is {path.stat().st_size / 1e6:.0f} MB; at most {MAX_BYTES >> 20} MiB "
-                                "is attached (a context holds far less)")
-        data = path.read_bytes()
+        if path.stat().st_size > limit:
+            raise DocumentError(f"{name} is {path.stat().st_size / 1e6:.0f} MB; at most {limit >> 20} MiB is {why}")
+        return path.read_bytes()
     except FileNotFoundError:
         raise DocumentError(f"{name}: no such file") from None
     except IsADirectoryError:
         raise DocumentError(f"{name} is a directory") from None
     except OSError as exc:
         raise DocumentError(f"{name} cannot be read: {exc.strerror or exc}") from None
+
+
+def read_file(path: Path, name: str) -> Document:
+    data = read_limited(path, name, MAX_BYTES, "attached (a context holds far less)")
     return _document(name, data, data[:5] == b"%PDF-" or path.suffix.lower() == ".pdf")
 
 

@@ -89,10 +89,31 @@ def _message(r: Record) -> Message:
 
 
 def _documents(value: object) -> list[dict]:
-    """Attached documents' records (name, sha256, chars, tokens); malformed ones are dropped."""
+    """Attached documents' records (name, sha256, chars, tokens, and an image's record); malformed ones are
+    dropped."""
     docs = value if isinstance(value, list) else []
-    return [{"name": str(d.get("name", "")), "sha256": str(d.get("sha256", "")), "chars": int(d.get("chars", 0)),
-             "tokens": int(d.get("tokens", 0))} for d in docs if isinstance(d, dict)]
+    out = []
+    for d in docs:
+        if isinstance(d, dict):
+            rec = {"name": str(d.get("name", "")), "sha256": str(d.get("sha256", "")),
+                   "chars": int(d.get("chars", 0)), "tokens": int(d.get("tokens", 0))}
+            image = _image(d.get("image"))
+            out.append({**rec, "image": image} if image is not None else rec)
+    return out
+
+
+def _image(value: object) -> dict | None:
+    """An attached image's record (size, image tokens, key, its file): None where malformed (then its text is kept
+    and its encoding found by its tokens alone)."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        int(str(value.get("key")), 16)
+        return {"width": int(value["width"]), "height": int(value["height"]), "tokens": int(value["tokens"]),
+                "key": str(value["key"]), "encoded_s": float(value.get("encoded_s", 0.0)),
+                "path": str(value.get("path", ""))}
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def replay(records: list[Record]) -> Conversation:

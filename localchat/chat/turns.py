@@ -20,6 +20,7 @@ from localchat.chatformat import reasoning
 from localchat.chatformat.templates import ChatFormat
 from localchat.chatformat.toolcalls import Found, ToolCall, ToolFormat
 from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig, Speculation, prime_sampler
+from localchat.engine.vision import Projector
 from localchat.errors import ContextFullError, ModelError, ToolsUnsupported
 from localchat.settings import default
 from localchat.trace import TRACE
@@ -97,6 +98,9 @@ class Chat:
         self._last_delta: tuple[object, tuple[list[list[int]], list[list[int]], list[list[int]]]] = (
             None, ([], [], []))
         self.ahead = Ahead(self)  # the work done while the user is not waiting
+        self.vision: Projector | None = None  # the model's vision projector, where it has one
+        self.image_encoded = 0  # image tokens encoded since the last turn (attached images not in the cache)
+        self.vision_problem = ""  # why a projector found beside the model was not loaded (said at /attach)
 
     @property
     def history_mode(self) -> str:
@@ -390,7 +394,8 @@ class Chat:
         stops += self.docs.ends(len(window) + len(head))[-1:]
         blocks, docs = self.docs.take()
         user = self.conv.add_user(blocks + text, head, body, docs)
-        user.pinned = bool(docs)  # the conversation about a document keeps it in the window
+        # the conversation about a document keeps it in the window; an image leaves with its exchange, whole
+        user.pinned = any("image" not in d for d in docs)
         self._record(user)
         return _Laid(len(window), len(head), own_from, canon_left, stops)
 
@@ -514,6 +519,8 @@ class Chat:
         st.tokens_left_window = self.conv.tokens_left_window
         st.extra["prefix_cache_hit"] = inputs.store_tokens > 0
         st.extra["prefix_store_tokens"] = inputs.store_tokens
+        if self.vision is not None:
+            st.extra["image_encoded"], self.image_encoded = self.image_encoded, 0
         self.turn_stats.append(st)
         return st
 

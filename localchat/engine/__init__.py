@@ -5,7 +5,8 @@ plain data; `vocab`: tokens to text and back, metadata; `sampling`: llama.cpp's 
 `stepcost`: what a step and a verification cost, measured; `speculative`: drafts from the context's
 history, verified in batches; `draftmodel`: a small model of the same vocabulary that drafts;
 `context`: the Engine itself, one llama.cpp context holding a token-canonical KV; `embedder`: sentence
-vectors from an embedding model, for search by meaning.
+vectors from an embedding model, for search by meaning; `media`: images in the token history as runs of
+identity tokens and their embeddings; `vision`: a vision projector (libmtmd) that encodes them.
 """
 
 from localchat.engine.backend import (

@@ -50,6 +50,11 @@ def init_backend(verbose: bool) -> None:
     _VERBOSE[0] = verbose
 
 
+def log_callback() -> object:
+    """The callback llama.cpp's log goes through (libmtmd's too): quiet unless --verbose."""
+    return _LOG_CALLBACK
+
+
 _VERBOSE = [False]
 _BUFFER_LOG: list[str] = []  # llama.cpp's "... buffer size = N MiB" lines: what it really allocated
 _BUFFER_LINE = re.compile(r"(\S+)\s+(model|KV|compute|output|RS) buffer size =\s*([\d.]+) MiB")

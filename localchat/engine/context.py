@@ -16,6 +16,7 @@ import llama_cpp as lc
 from localchat.engine.backend import SEQ, buffers, context_params, init_backend, model_params, start_buffer_log
 from localchat.engine.grammar import grammar_sampler
 from localchat.engine.loadlog import LOAD_LOG, explain
+from localchat.engine.media import MediaTable, run_of
 from localchat.engine.pinned import Staging
 from localchat.engine.sampling import drawer, finite_logits, make_sampler
 from localchat.engine.speculative import Speculation, verify
@@ -74,6 +75,9 @@ class Engine(VocabText):
         self.n_kv = 0  # how many of self.tokens are evaluated into the KV (the rest are pending)
         self.logits_end = -1  # the KV length whose last token's logits llama.cpp holds now (-1: none)
         self._piece_buf = ctypes.create_string_buffer(256)
+        self.media = MediaTable()  # the embeddings behind the identity tokens of images (engine.media)
+        self.media.n_embd = lc.llama_model_n_embd_inp(self.model)
+        self._embd_batch: lc.llama_batch | None = None  # made with the first image evaluated
         # state copies through pinned memory: llama.cpp copies a state through the caller's buffer
         self.staging = Staging(config.pinned_bytes) if config.pinned_bytes and self.overlaps else None
 
@@ -136,6 +140,9 @@ class Engine(VocabText):
                 pad: int = 0) -> None:
         """Evaluate `tokens` from `start_pos`; `pad` more (copies of the last) evaluated beside them and
         then dropped from the KV: the batch's shape only, never its history."""
+        if tokens and min(tokens) < 0:  # an image's identity tokens among them
+            self._decode_runs(tokens, start_pos, want_logits)
+            return
         b = self._batch
         real = len(tokens)
         tokens = tokens + tokens[-1:] * pad
@@ -155,6 +162,63 @@ class Engine(VocabText):
             raise ModelError("llama.cpp could not drop a batch's padding from the KV")
         self.padded += pad
 
+    def _decode_runs(self, tokens: list[int], start_pos: int, want_logits: bool) -> None:
+        """Evaluate text and image runs in order: text as tokens, each image run from its embeddings."""
+        at = 0
+        while at < len(tokens):
+            image = tokens[at] < 0
+            end = at + 1
+            while end < len(tokens) and (tokens[end] < 0) == image and \
+                    (not image or run_of(tokens[end])[0] == run_of(tokens[at])[0]):
+                end += 1
+            last = end == len(tokens) and want_logits
+            if image:
+                self._decode_embeddings(tokens[at:end], start_pos + at, last)
+            else:
+                self._decode(tokens[at:end], start_pos + at, last)
+            at = end
+
+    def _decode_embeddings(self, run: list[int], start_pos: int, want_logits: bool) -> None:
+        """One image run (rows of one chunk) evaluated from its embeddings; a non-causal chunk with causal
+        attention off, as libmtmd evaluates it."""
+        chunk, first = run_of(run[0])
+        emb = self.media.get(chunk)
+        width = self.media.n_embd * 4
+        if self._embd_batch is None:
+            self._embd_batch = lc.llama_batch_init(self.config.n_batch, self.media.n_embd, 1)
+        b, n = self._embd_batch, len(run)
+        ctypes.memmove(b.embd, emb.data[first * width:(first + n) * width], n * width)
+        for i in range(n):
+            b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = start_pos + i, 1, SEQ, 0
+        b.logits[n - 1] = int(want_logits)
+        b.n_tokens = n
+        self.logits_end = start_pos + n if want_logits else -1
+        if emb.non_causal:
+            lc.llama_set_causal_attn(self.ctx, False)
+        rc = lc.llama_decode(self.ctx, b)
+        if emb.non_causal:
+            lc.llama_set_causal_attn(self.ctx, True)
+        if rc != 0:
+            raise ModelError(f"llama_decode failed on an image (code {rc}): the KV cache is full or out of memory")
+
+    @staticmethod
+    def whole(tokens: list[int], n: int) -> int:
+        """`n`, or where the image run it falls inside starts: a run is evaluated or dropped whole."""
+        if 0 < n < len(tokens) and tokens[n] < 0:
+            n -= run_of(tokens[n])[1]
+        return n
+
+    def _batch_end(self, tokens: list[int], start: int, limit: int) -> int:
+        """The end of the next batch from `start`, at most `limit` tokens long, never inside an image run
+        (one that alone is longer than the limit goes whole)."""
+        end = min(len(tokens), start + limit)
+        cut = self.whole(tokens, end)
+        if cut > start:
+            return cut
+        while end < len(tokens) and tokens[end] < 0 and run_of(tokens[end])[1] > 0:
+            end += 1
+        return end
+
     def prefill(self, prompt: list[int], progress: Callable[[int, int], None] | None = None,
                 cancelled: Callable[[], bool] | None = None) -> PrefillResult:
         """Make the KV hold `prompt`, evaluating only what it lacks; logits ready for the last token."""
@@ -165,7 +229,7 @@ class Engine(VocabText):
         first_diff = same if same < self.n_kv else -1
         # the last prompt token is evaluated for its logits, unless they are those of the work done ahead
         ready = same == len(prompt) == self.n_kv == self.logits_end
-        keep = len(prompt) if ready else min(same, len(prompt) - 1)
+        keep = len(prompt) if ready else self.whole(prompt, min(same, len(prompt) - 1))
         refused = keep < self.n_kv and not self.can_rewind_to(keep)
         if not self._truncate_kv(keep):
             keep = 0
@@ -174,7 +238,7 @@ class Engine(VocabText):
         while pos < len(prompt):
             if cancelled and cancelled():
                 raise Cancelled()
-            chunk = prompt[pos:pos + self.config.n_batch]
+            chunk = prompt[pos:self._batch_end(prompt, pos, self.config.n_batch)]
             self._decode(chunk, pos, want_logits=pos + len(chunk) == len(prompt),
                          pad=self._padding(len(chunk), pos))
             pos += len(chunk)
@@ -199,11 +263,12 @@ class Engine(VocabText):
         rewind to the common prefix, then evaluate at most `max_tokens` more of it; with `logits`, the
         batch that ends it keeps the last token's logits, for a prefill of just `target` to sample from.
         Returns (tokens evaluated, tokens rewound); a rewind the sliding window forbids empties the KV."""
-        same = self.common_prefix(target)
+        same = self.whole(target, self.common_prefix(target))
         rewound = self.n_kv - same
         if rewound and not self._truncate_kv(same):
             rewound = same + rewound  # everything was dropped
-        chunk = target[self.n_kv:self.n_kv + max(0, min(max_tokens, self.config.n_batch, self.n_ctx - self.n_kv))]
+        room = max(0, min(max_tokens, self.config.n_batch, self.n_ctx - self.n_kv))
+        chunk = target[self.n_kv:self._batch_end(target, self.n_kv, room) if room else self.n_kv]
         if chunk:
             ends = logits and self.n_kv + len(chunk) == len(target)
             if ends and self.overlaps and len(chunk) > 1:
@@ -403,6 +468,8 @@ class Engine(VocabText):
             staging.close()
         if getattr(self, "ctx", None):
             lc.llama_batch_free(self._batch)
+            if self._embd_batch is not None:
+                lc.llama_batch_free(self._embd_batch)
             lc.llama_free(self.ctx)
             lc.llama_model_free(self.model)
             self.ctx = None

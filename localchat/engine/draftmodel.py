@@ -49,6 +49,8 @@ class DraftModel:
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """The k tokens the draft model would write greedily after `tokens`."""
         e = self.engine
+        if tokens and min(tokens) < 0:  # an image in the history: the draft model has no projector to read it
+            return []
         t0 = time.perf_counter()
         self.evaluated += e.prefill(tokens).recomputed
         out: list[int] = []

@@ -109,7 +109,8 @@ class Speculation:
             length, gain = self._plan(agree)
             if gain >= 1 or self.mode == "on":
                 self._match = agree
-                return tokens[start:start + min(length, limit)]
+                drafted = tokens[start:start + min(length, limit)]
+                return drafted[:next((i for i, t in enumerate(drafted) if t < 0), len(drafted))]  # no image
             if self._shadow is None:  # not verified, but the reply will show how far it would have held
                 self._shadow = (len(tokens), tokens[start:start + DRAFT_MAX], agree)
         if self.model is None:

@@ -30,6 +30,8 @@ class VocabText:
         return list(buf[:n])
 
     def piece(self, token: int, special: bool = False) -> bytes:
+        if token < 0:  # an image's identity token (engine.media): no text
+            return b""
         n = lc.llama_token_to_piece(self.vocab, token, self._piece_buf, 256, 0, special)
         if n < 0:
             big = ctypes.create_string_buffer(-n)

@@ -96,6 +96,7 @@ class MemoryPlan:
     shares: list[float] = field(default_factory=list)  # each device's share of the layers (tensor_split)
     host_bytes: int = 0  # in host RAM: weights_cpu_bytes, the KV of layers on the CPU, llama.cpp's host buffers
     host_room_bytes: int = 0  # RAM available at start (less a CPU profile's reserve_gb)
+    projector_bytes: int = 0  # a vision projector's weights and encoder: in the first device's compute (or the CPU's)
 
     @property
     def host_fits(self) -> bool:
@@ -235,6 +236,8 @@ def _uses(p: Profile, m: ModelInfo, cards: list[Card], n_ctx: int, type_k: str, 
         if compute and pipeline:
             ub = min(p.n_ubatch, p.n_batch)
             compute += (PIPELINE_COPIES - 1) * ub * 2 * n_ctx + PIPELINE_COPIES * ub * 4 * m.n_embd
+        if d == 0:  # libmtmd puts a vision projector on the first device
+            compute += m.projector_bytes
         kv = kv_on(m, mine, n_ctx, type_k, type_v, cells)
         out.append(CardUse(card.name, len(mine), output, weights, kv, compute))
     return out
@@ -259,7 +262,7 @@ def _host_buffers(p: Profile, m: ModelInfo, uses: list[CardUse], n_ctx: int, typ
     cpu = _compute_bytes(m, p, n_ctx, type_k, False, logits_here=not output_offloaded) if layers_on_cpu else 0
     mask = (2 if p.flash_attn else 4) * ub * n_ctx  # f16 with flash attention, f32 without
     staged = ub * 8 * m.n_embd + mask if uses else 0
-    return cpu + staged + HOST_OVERHEAD
+    return cpu + staged + HOST_OVERHEAD + (0 if uses else m.projector_bytes)  # a projector without a device
 
 
 def _host_parts(p: Profile, m: ModelInfo, uses: list[CardUse], n_ctx: int, type_k: str,
@@ -314,7 +317,7 @@ def make_plan(p: Profile, m: ModelInfo, n_ctx: int | None = None, free: int = 0,
     rows = _device_rows(p, m, cards, uses)
     gpu, local = bool(cards), sum(c.local for c in cards)
     weights_gpu = sum(u.weights for u in uses)
-    compute = sum(u.compute for u in uses) if gpu else _compute_bytes(m, p, n_ctx, p.type_k, False)
+    compute = sum(u.compute for u in uses) if gpu else _compute_bytes(m, p, n_ctx, p.type_k, False) + m.projector_bytes
     host_weights, host_kv, host_buffers = _host_parts(p, m, uses, n_ctx, p.type_k, p.type_v)
     host, ram = host_weights + host_kv + host_buffers, ram_budget(p)
     tight = next((r for r in rows if not r.fits), min(rows, key=lambda r: r.room_bytes - r.total_bytes, default=None))
@@ -335,6 +338,7 @@ def make_plan(p: Profile, m: ModelInfo, n_ctx: int | None = None, free: int = 0,
         device_free_bytes=sum(c.free for c in cards), free_margin_bytes=int(p.free_margin_gb * GIB) if gpu else 0,
         limited_by=tight.limited_by if tight else "profile", split_mode=p.split_mode if len(cards) > 1 else "none",
         devices=rows, shares=shares(p, cards) if cards else [], host_bytes=host, host_room_bytes=ram,
+        projector_bytes=m.projector_bytes,
     )
 
 

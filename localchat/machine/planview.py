@@ -44,6 +44,9 @@ def describe(plan: MemoryPlan, allocated: dict[str, dict[str, int]] | None = Non
         lines.append(f"           sliding-window layers ({plan.kv_bytes_per_token_swa:,} bytes/token) hold "
                      f"{plan.kv_cells_swa:,} cells")
     lines.append(f"compute    {mib(plan.compute_bytes)}" + said("compute"))
+    if plan.projector_bytes:
+        lines.append(f"           of which the vision projector {mib(plan.projector_bytes)} on {dev} (its weights and "
+                     "one image's encoder buffers)")
     if plan.gpu:
         other = plan.total_gpu_bytes - plan.weights_gpu_bytes - plan.kv_gpu_bytes - plan.compute_bytes
         lines.append(f"CUDA       context {mib(plan.cuda_context_bytes)}, growth during prefill "

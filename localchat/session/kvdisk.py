@@ -216,8 +216,10 @@ def _estimate_load(path: Path, offset: int, header: StateHeader) -> float:
 
 
 def prune_kv(budget: int, keep: Path) -> None:
-    """Keep saved KV states within the disk budget: least recently used first, transcripts never."""
-    files = [p for p in paths.sessions_dir().glob("*/kv.state")] + list(paths.prefix_dir().glob("*.state"))
+    """Keep saved KV states and images' encodings within the disk budget: least recently used first,
+    transcripts never."""
+    files = [p for p in paths.sessions_dir().glob("*/kv.state")] + list(paths.prefix_dir().glob("*.state")) + \
+        list(paths.image_dir().glob("*.image"))  # images' encodings count too
     stats = [(p.stat().st_mtime, p.stat().st_size, p) for p in files if p.exists()]
     total = sum(s for _, s, _ in stats)
     for _, size, path in sorted(stats):

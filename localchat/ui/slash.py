@@ -151,7 +151,7 @@ def _cache(ctx: CommandContext, arg: str) -> str:
 
 def _attach(ctx: CommandContext, arg: str) -> str:
     if not arg.strip():
-        return "usage: /attach PATH... (files, directories, globs; quote a path with spaces)"
+        return "usage: /attach PATH... (files, directories, globs, images; quote a path with spaces)"
     try:
         specs = shlex.split(arg)
     except ValueError as exc:

@@ -1,141 +1,19 @@
 """Write a random-weight (seeded) vision projector GGUF (mmproj) of a real architecture's SHAPE, for libmtmd.
 
-    python make_mmproj.py OUT.gguf [--type idefics3|gemma3] [--n-embd-text 576] [--image-size 256]
-                                   [--patch 16] [--embd 64] [--heads 2] [--ff 128] [--layers 1]
-                                   [--scale 4] [--longest-edge 512] [--ftype f16|f32] [--seed 0]
+    python make_mmproj.py OUT.gguf [--type idefics3|gemma3] [--n-embd-text 576] [--embd 64] [--layers 1] ...
 
-idefics3 (SmolVLM): SigLIP ViT (conv patch embd + learned pos embd + pre-LN blocks + post_ln), pixel shuffle by
-`scale`, then one bias-free linear `mm.model.fc.weight` [embd*scale^2 -> n_embd_text].
-gemma3: same SigLIP ViT, avg-pool by `scale`, RMS norm `mm.soft_emb_norm.weight`, linear `mm.input_projection.weight`.
-
-The GGUF (v3) is written by hand: the repo's tests/gguf_writer.py cannot be used as is (it writes every int as
-UINT64 but clip.cpp reads them with gguf_get_val_u32, which asserts type UINT32; it has no float arrays for
-image_mean/std; and it writes zero/sparse tensor data only). Needs numpy.
+The writer itself now lives in tests/mmproj.py (the tests make their projectors with it); this is its
+command line, as the research used it.
 """
 from __future__ import annotations
 
 import argparse
-import struct
+import sys
+from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-GGUF_UINT32, GGUF_FLOAT32, GGUF_BOOL, GGUF_STRING, GGUF_ARRAY = 4, 6, 7, 8, 9
-GGML_F32, GGML_F16 = 0, 1
-ALIGN = 32
-
-
-def _str(s: str) -> bytes:
-    b = s.encode()
-    return struct.pack("<Q", len(b)) + b
-
-
-def _kv(key: str, v) -> bytes:
-    out = _str(key)
-    if isinstance(v, bool):
-        return out + struct.pack("<I?", GGUF_BOOL, v)
-    if isinstance(v, int):
-        return out + struct.pack("<II", GGUF_UINT32, v)
-    if isinstance(v, float):
-        return out + struct.pack("<If", GGUF_FLOAT32, v)
-    if isinstance(v, str):
-        return out + struct.pack("<I", GGUF_STRING) + _str(v)
-    if isinstance(v, list) and all(isinstance(x, float) for x in v):
-        return out + struct.pack("<IIQ", GGUF_ARRAY, GGUF_FLOAT32, len(v)) + struct.pack(f"<{len(v)}f", *v)
-    raise TypeError((key, v))
-
-
-def write_gguf(path: str, kv: dict, tensors: list[tuple[str, np.ndarray]]) -> int:
-    """tensors: (name, array) with numpy shape in row-major order; GGUF/ggml ne = reversed(shape)."""
-    head = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)))
-    for k, v in kv.items():
-        head += _kv(k, v)
-    blobs, off = [], 0
-    for name, a in tensors:
-        t = GGML_F16 if a.dtype == np.float16 else GGML_F32
-        a = np.ascontiguousarray(a, dtype=np.float16 if t == GGML_F16 else np.float32)
-        ne = list(reversed(a.shape))
-        head += _str(name) + struct.pack("<I", len(ne)) + b"".join(struct.pack("<Q", d) for d in ne)
-        head += struct.pack("<IQ", t, off)
-        b = a.tobytes()
-        pad = -len(b) % ALIGN
-        blobs.append(b + b"\0" * pad)
-        off += len(b) + pad
-    head += b"\0" * (-len(head) % ALIGN)
-    with open(path, "wb") as f:
-        f.write(head)
-        for b in blobs:
-            f.write(b)
-    return len(head) + off
-
-
-def build(a) -> tuple[dict, list]:
-    rng = np.random.default_rng(a.seed)
-    wt = np.float16 if a.ftype == "f16" else np.float32
-    E, F, P, S = a.embd, a.ff, a.patch, a.scale
-    assert E % a.heads == 0 and a.image_size % P == 0 and F != E
-    n_patches = (a.image_size // P) ** 2
-
-    def w(*shape, std=None, dtype=wt):  # numpy shape = (out, in) for a linear
-        std = std if std is not None else 1.0 / np.sqrt(shape[-1])
-        return (rng.standard_normal(shape) * std).astype(dtype)
-
-    def ones(n):
-        return np.ones(n, np.float32)
-
-    def zeros(n):
-        return np.zeros(n, np.float32)
-
-    kv = {
-        "general.architecture": "clip",
-        "general.type": "mmproj",
-        "general.name": f"random-{a.type}-mmproj",
-        "general.file_type": 1 if a.ftype == "f16" else 0,
-        "clip.projector_type": a.type,
-        "clip.has_vision_encoder": True,
-        "clip.use_gelu": True,
-        "clip.vision.image_size": a.image_size,
-        "clip.vision.patch_size": P,
-        "clip.vision.embedding_length": E,
-        "clip.vision.feed_forward_length": F,
-        "clip.vision.block_count": a.layers,
-        "clip.vision.attention.head_count": a.heads,
-        "clip.vision.attention.layer_norm_epsilon": 1e-6,
-        "clip.vision.projection_dim": a.n_embd_text,
-        "clip.vision.image_mean": [0.5, 0.5, 0.5],
-        "clip.vision.image_std": [0.5, 0.5, 0.5],
-        "clip.vision.projector.scale_factor": S,
-    }
-    if a.type == "idefics3" and a.longest_edge > 0:
-        kv["clip.vision.preproc_image_size"] = a.longest_edge
-
-    T = [
-        ("v.patch_embd.weight", w(E, 3, P, P, std=0.02, dtype=np.float32)),  # ne [P, P, 3, E]
-        ("v.patch_embd.bias", zeros(E)),
-        ("v.position_embd.weight", w(n_patches, E, std=0.02, dtype=np.float32)),  # ne [E, n_patches]
-    ]
-    for i in range(a.layers):
-        p = f"v.blk.{i}."
-        T += [
-            (p + "ln1.weight", ones(E)), (p + "ln1.bias", zeros(E)),
-            (p + "attn_q.weight", w(E, E)), (p + "attn_q.bias", zeros(E)),
-            (p + "attn_k.weight", w(E, E)), (p + "attn_k.bias", zeros(E)),
-            (p + "attn_v.weight", w(E, E)), (p + "attn_v.bias", zeros(E)),
-            (p + "attn_out.weight", w(E, E)), (p + "attn_out.bias", zeros(E)),
-            (p + "ln2.weight", ones(E)), (p + "ln2.bias", zeros(E)),
-            (p + "ffn_up.weight", w(F, E)), (p + "ffn_up.bias", zeros(F)),      # ne [E, F]
-            (p + "ffn_down.weight", w(E, F)), (p + "ffn_down.bias", zeros(E)),  # ne [F, E]
-        ]
-    T += [("v.post_ln.weight", ones(E)), ("v.post_ln.bias", zeros(E))]
-    if a.type == "idefics3":
-        # pixel shuffle concatenates scale^2 neighbours: ne [E*S*S, n_embd_text]
-        T += [("mm.model.fc.weight", w(a.n_embd_text, E * S * S))]
-    elif a.type == "gemma3":
-        T += [("mm.soft_emb_norm.weight", ones(E)),
-              # used as mul_mat(transpose(W), x): ne [n_embd_text, E]; clip_n_mmproj_embd reads ne[0]
-              ("mm.input_projection.weight", w(E, a.n_embd_text, std=1.0 / np.sqrt(E)))]
-    else:
-        raise SystemExit(f"unsupported type {a.type}")
-    return kv, T
+from tests.mmproj import make_projector  # noqa: E402
 
 
 def main() -> None:
@@ -143,22 +21,14 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--type", default="idefics3", choices=["idefics3", "gemma3"])
     ap.add_argument("--n-embd-text", type=int, default=576)
-    ap.add_argument("--image-size", type=int, default=256)
-    ap.add_argument("--patch", type=int, default=16)
-    ap.add_argument("--embd", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--ff", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--scale", type=int, default=4)
-    ap.add_argument("--longest-edge", type=int, default=512, help="idefics3 preproc longest edge; 0 = omit key")
-    ap.add_argument("--ftype", default="f16", choices=["f16", "f32"])
-    ap.add_argument("--seed", type=int, default=0)
+    for name, default in (("image-size", 256), ("patch", 16), ("embd", 64), ("heads", 2), ("ff", 128), ("layers", 1),
+                          ("scale", 4), ("longest-edge", 512), ("seed", 0)):
+        ap.add_argument(f"--{name}", type=int, default=default)
     a = ap.parse_args()
-    kv, T = build(a)
-    n = write_gguf(a.out, kv, T)
-    side = a.image_size // a.patch // a.scale
-    print(f"wrote {a.out}: {n} bytes, {len(T)} tensors, {side * side} tokens per {a.image_size}px tile, "
-          f"output width {a.n_embd_text}")
+    keys = ("image_size", "patch", "embd", "heads", "ff", "layers", "scale", "longest_edge")
+    shape = {k: getattr(a, k) for k in keys}
+    out = make_projector(Path(a.out), a.type, a.n_embd_text, a.seed, **shape)
+    print(f"wrote {out}: {out.stat().st_size} bytes")
 
 
 if __name__ == "__main__":

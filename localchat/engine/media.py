@@ -1,0 +1,127 @@
+"""Images in the token history: each image chunk stands in the KV's tokens as a run of identity
+tokens (negative numbers no vocabulary has), one per position, derived from the image's and the
+projector's hashes. Equal images give equal runs, so the longest-common-prefix rule that reuses
+the KV holds across turns, undo, retry, the official form and the prefix store; the run's
+embeddings (the projector's output) are evaluated in its place, from memory or the disk cache.
+
+A token is -(1 + (run << ROW_BITS) + row): `run` names the image chunk (the image's key and the
+chunk's index in it), `row` the position within it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from localchat.errors import DocumentError
+from localchat.fsutil import atomic_write
+
+ROW_BITS = 16  # positions per image chunk: 65,536, far beyond any projector's
+CHUNK_BITS = 8  # chunks per image (idefics3's tiles and overview: up to 17 by default)
+KEY_BITS = 38  # the image's key (its bytes' and the projector's hash): a run fits 62 bits, an int64
+MAGIC = b"localchat-image 1\n"
+
+
+def run_id(key: int, chunk: int) -> int:
+    return (key % (1 << KEY_BITS)) << CHUNK_BITS | chunk
+
+
+def identity_tokens(run: int, n: int) -> list[int]:
+    base = 1 + (run << ROW_BITS)
+    return [-(base + j) for j in range(n)]
+
+
+def run_of(token: int) -> tuple[int, int]:
+    """(run, row) of an identity token."""
+    v = -token - 1
+    return v >> ROW_BITS, v & ((1 << ROW_BITS) - 1)
+
+
+def image_key(run: int) -> int:
+    return run >> CHUNK_BITS
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """One image chunk's embeddings: n rows of n_embd float32, and whether its positions see each other
+    (a non-causal chunk, as Gemma 3's images, is evaluated in one batch with causal attention off)."""
+
+    data: bytes
+    n: int
+    non_causal: bool
+
+
+def cache_file(directory: Path, key: int) -> Path:
+    return directory / f"{key:010x}.image"
+
+
+def save(path: Path, layout: list[dict], embeddings: dict[int, Embedding], about: dict) -> None:
+    """An image's chunk layout (text tokens and runs) and each run's embeddings, in one file: a header line
+    (JSON, with each run's offset and the CRC-32 of the payload), then the float32 rows."""
+    parts, at, runs = [], 0, {}
+    for run, emb in embeddings.items():
+        runs[str(run)] = {"offset": at, "n": emb.n, "non_causal": emb.non_causal}
+        parts.append(emb.data)
+        at += len(emb.data)
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    header = {**about, "layout": layout, "runs": runs, "size": at, "crc32": crc}
+    atomic_write(path, [MAGIC, json.dumps(header).encode() + b"\n", *parts])
+
+
+def load(path: Path) -> tuple[dict, dict[int, Embedding]] | None:
+    """(header, embeddings by run) of a cached image; None when it is missing or damaged (then encoded again)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if not data.startswith(MAGIC):
+        return None
+    end = data.find(b"\n", len(MAGIC))
+    try:
+        header = json.loads(data[len(MAGIC):end])
+        payload = data[end + 1:]
+        if len(payload) != header["size"] or zlib.crc32(payload) != header["crc32"]:
+            return None
+        width = header["n_embd"] * 4
+        runs = {int(r): Embedding(payload[v["offset"]:v["offset"] + v["n"] * width], int(v["n"]), bool(v["non_causal"]))
+                for r, v in header["runs"].items()}
+    except (ValueError, KeyError, TypeError):
+        return None
+    os.utime(path)  # the disk cap drops the least recently used first
+    return header, runs
+
+
+class MediaTable:
+    """The embeddings of the identity tokens the engine may be asked to evaluate: those of images attached
+    in this process, and any other found in the disk cache by the run's image key."""
+
+    def __init__(self) -> None:
+        self.runs: dict[int, Embedding] = {}
+        self.directory: Path | None = None  # the disk cache (set by the runtime)
+        self.n_embd = 0
+        # encodes an image again from its file, by its key: "" when it did, else what the error says of it
+        self.refill: Callable[[int], str] = lambda key: "an image of this chat"
+
+    def add(self, embeddings: dict[int, Embedding]) -> None:
+        self.runs.update(embeddings)
+
+    def get(self, run: int) -> Embedding:
+        emb = self.runs.get(run)
+        if emb is None and self.directory is not None:
+            found = load(cache_file(self.directory, image_key(run)))
+            if found is not None and found[0].get("n_embd") == self.n_embd:
+                self.runs.update(found[1])
+                emb = self.runs.get(run)
+        if emb is None:
+            gone = self.refill(image_key(run))
+            emb = self.runs.get(run)
+            if emb is None:
+                raise DocumentError(f"{gone or 'an image of this chat'} is no longer in the image cache, and its file "
+                                    "is gone or changed: /new starts a chat without it (the transcript keeps it)")
+        return emb

@@ -1,0 +1,153 @@
+"""A vision projector beside the model (libmtmd): an image's pixels split into text and image chunks as
+the projector lays them out, each image chunk encoded once and kept by its identity tokens
+(`engine.media`), in memory and in the disk cache, so that an image seen before costs no encoding,
+not even the split: its layout is cached with its embeddings."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as lc
+import llama_cpp.mtmd_cpp as M
+
+from localchat.engine import media
+from localchat.engine.backend import log_callback
+from localchat.engine.context import Engine
+from localchat.engine.media import Embedding
+from localchat.errors import DocumentError, ModelError
+
+log = logging.getLogger(__name__)
+FINGERPRINT_HEAD, FINGERPRINT_TAIL = 4 << 20, 1 << 20  # bytes of the projector hashed for its identity
+LAYOUT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    tokens: list[int]  # the image as the message holds it: the projector's text around it and identity tokens
+    image_tokens: int  # of them, the image's own positions
+    encoded: int  # image tokens the encoder computed now (0: all from the cache)
+    key: int  # the image's key (its bytes and this projector): its cache file, its identity tokens
+    width: int
+    height: int
+
+
+def fingerprint(path: Path) -> str:
+    """The projector's identity for cache keys: its size, its head (metadata, tensor table) and its tail."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(FINGERPRINT_HEAD))
+        f.seek(max(0, path.stat().st_size - FINGERPRINT_TAIL))
+        h.update(f.read(FINGERPRINT_TAIL))
+    return h.hexdigest()
+
+
+class Projector:
+    """libmtmd's context for one projector file, bound to the engine's model."""
+
+    def __init__(self, path: Path, engine: Engine, model_name: str):
+        self.path, self.engine, self.name = path, engine, path.name
+        M.mtmd_log_set(log_callback(), None)
+        M.mtmd_helper_log_set(log_callback(), None)
+        params = M.mtmd_context_params_default()
+        params.use_gpu = engine.overlaps
+        params.n_threads = engine.threads[1]
+        params.print_timings = False
+        params.warmup = False  # an encode at load would hold up every chat start (the plan counts its buffers)
+        self.ctx = M.mtmd_init_from_file(str(path).encode(), engine.model, params)
+        if not self.ctx:
+            raise ModelError(f"{path.name} is not a vision projector for {model_name} (its output does not match the "
+                             "model's width, or the file is damaged): use the mmproj file made with this model")
+        if not M.mtmd_support_vision(self.ctx):
+            self.close()
+            raise ModelError(f"{path.name} has no vision encoder (an audio projector?); images need a vision one")
+        if M.mtmd_decode_use_mrope(self.ctx):
+            self.close()
+            raise ModelError(f"{path.name} places images by M-RoPE positions (Qwen-VL), which localchat does not "
+                             "support yet")
+        self.fingerprint = fingerprint(path)
+
+    def key(self, image_sha256: str) -> int:
+        return int(hashlib.sha256(f"{self.fingerprint}:{image_sha256}".encode()).hexdigest()[:16], 16) % \
+            (1 << media.KEY_BITS)
+
+    def cached(self, key: int) -> ImageTokens | None:
+        """The image's tokens from the disk cache, with its embeddings put in the engine's table."""
+        directory = self.engine.media.directory
+        found = media.load(media.cache_file(directory, key)) if directory is not None else None
+        if found is None or found[0].get("projector") != self.fingerprint or \
+                found[0].get("n_embd") != self.engine.media.n_embd or found[0].get("format") != LAYOUT_FORMAT:
+            return None
+        header, runs = found
+        self.engine.media.add(runs)
+        tokens = [t for part in header["layout"] for t in
+                  (part["text"] if "text" in part else media.identity_tokens(part["run"], part["n"]))]
+        return ImageTokens(tokens, sum(e.n for e in runs.values()), 0, key, int(header["width"]), int(header["height"]))
+
+    def encode(self, rgb: bytes, width: int, height: int, image_sha256: str) -> ImageTokens:
+        """The image's tokens, split and encoded (and cached): `cached` first finds one seen before."""
+        key = self.key(image_sha256)
+        bitmap = M.mtmd_bitmap_init(width, height, (ctypes.c_uint8 * len(rgb)).from_buffer_copy(rgb))
+        chunks = M.mtmd_input_chunks_init()
+        try:
+            layout, runs = self._split(bitmap, chunks, key)
+        finally:
+            M.mtmd_input_chunks_free(chunks)
+            M.mtmd_bitmap_free(bitmap)
+        self.engine.media.add(runs)
+        if self.engine.media.directory is not None:
+            about = {"format": LAYOUT_FORMAT, "projector": self.fingerprint, "image": image_sha256,
+                     "n_embd": self.engine.media.n_embd, "width": width, "height": height}
+            try:
+                media.save(media.cache_file(self.engine.media.directory, key), layout, runs, about)
+            except OSError as exc:  # a full disk: the image is still attached, only not cached for the next chat
+                log.warning("the image cache could not keep an image: %s", exc)
+        tokens = [t for part in layout for t in
+                  (part["text"] if "text" in part else media.identity_tokens(part["run"], part["n"]))]
+        n = sum(e.n for e in runs.values())
+        return ImageTokens(tokens, n, n, key, width, height)
+
+    def _split(self, bitmap: int, chunks: int, key: int) -> tuple[list[dict], dict[int, Embedding]]:
+        """The projector's chunks of the image: text parts as tokens, image parts encoded."""
+        marker = M.mtmd_default_marker()
+        text = M.mtmd_input_text(marker, len(marker), False, True)
+        rc = M.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), (M.mtmd_bitmap_p_ctypes * 1)(bitmap), 1)
+        if rc != 0:
+            raise DocumentError(f"the projector {self.name} could not prepare the image (code {rc})")
+        layout: list[dict] = []
+        runs: dict[int, Embedding] = {}
+        n_vocab = lc.llama_vocab_n_tokens(self.engine.vocab)
+        for i in range(M.mtmd_input_chunks_size(chunks)):
+            chunk = M.mtmd_input_chunks_get(chunks, i)
+            if M.mtmd_input_chunk_get_type(chunk) == M.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                count = ctypes.c_size_t()
+                ptr = M.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+                tokens = [ptr[j] for j in range(count.value)]
+                if any(t < 0 or t >= n_vocab for t in tokens):  # its image markers are not in this vocabulary
+                    raise DocumentError(f"the projector {self.name} marks images with tokens this model's vocabulary "
+                                        "lacks: it was made for another model")
+                layout.append({"text": tokens})
+            else:
+                run = media.run_id(key, len(runs))
+                runs[run] = self._encode_chunk(chunk)
+                layout.append({"run": run, "n": runs[run].n})
+        return layout, runs
+
+    def _encode_chunk(self, chunk: int) -> Embedding:
+        n = M.mtmd_input_chunk_get_n_tokens(chunk)
+        if n > self.engine.config.n_ubatch:
+            raise DocumentError(f"an image chunk of {self.name} is {n} tokens, more than n_ubatch "
+                                f"({self.engine.config.n_ubatch}) evaluates at once: raise n_ubatch and n_batch")
+        if M.mtmd_encode_chunk(self.ctx, chunk) != 0:
+            raise DocumentError(f"the projector {self.name} failed to encode the image")
+        size = n * self.engine.media.n_embd * 4
+        data = ctypes.string_at(M.mtmd_get_output_embd(self.ctx), size)
+        return Embedding(data, n, bool(M.mtmd_decode_use_non_causal(self.ctx, chunk)))
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            M.mtmd_free(self.ctx)
+            self.ctx = None

@@ -1,0 +1,96 @@
+"""A vision projector file (an mmproj GGUF) read before llama.cpp sees it: found beside its model the way
+other tools name it, checked where clip.cpp would abort instead of failing (integers it reads as
+uint32, floats as f32), and sized for the memory plan: its weights and its encoder's compute buffer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from localchat.errors import ModelError
+from localchat.machine.gguf_file import GGUFInfo, read_gguf
+
+U32, I32, F32, BOOL, STRING, ARRAY = 4, 5, 6, 7, 8, 9
+WANTED_TYPES = {U32: "uint32", I32: "int32", F32: "float32", BOOL: "bool", STRING: "string", ARRAY: "array"}
+ENCODER_FIXED = 8 << 20  # clip.cpp's graph and input staging beside the activations
+REQUIRED = ("clip.vision.image_size", "clip.vision.patch_size", "clip.vision.embedding_length",
+            "clip.vision.block_count", "clip.vision.attention.head_count")
+
+
+@dataclass(frozen=True)
+class ProjectorInfo:
+    path: Path
+    kind: str  # clip.projector_type: gemma3, idefics3, ...
+    weight_bytes: int
+    compute_bytes: int  # the encoder's compute buffer for one image, estimated from its shape
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.compute_bytes
+
+
+def find_beside(model: Path) -> Path | None:
+    """The one projector in the model's folder (`*mmproj*.gguf`); of several, the one whose name shares the
+    longest start with the model's; None where there is none or no single best."""
+    found = [p for p in model.parent.glob("*.gguf") if "mmproj" in p.name.lower() and p != model]
+    if len(found) <= 1:
+        return found[0] if found else None
+    shared = {p: _common_start(p.name.lower(), model.name.lower()) for p in found}
+    best = max(shared.values())
+    ties = [p for p, n in shared.items() if n == best]
+    return ties[0] if len(ties) == 1 else None
+
+
+def _common_start(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def projector_info(path: Path) -> ProjectorInfo:
+    """The projector read and checked; ModelError (one line) where llama.cpp would abort or refuse it."""
+    g = read_gguf(path)
+    name = path.name
+    if g.get("general.architecture") != "clip":
+        raise ModelError(f"{name} is not a vision projector (its architecture is {g.get('general.architecture')!r}, "
+                         "not 'clip'): give the mmproj GGUF made with the model")
+    if g.get("clip.has_vision_encoder") is not True:
+        raise ModelError(f"{name} has no vision encoder (an audio projector?); images need a vision one")
+    for key in (*REQUIRED, "clip.projector_type"):
+        if key not in g.metadata:
+            raise ModelError(f"{name} lacks {key}: it is damaged or was written by an unknown converter")
+    for key, vtype in g.value_types.items():
+        wanted = _wanted(key, g.metadata[key])
+        if key.startswith("clip.") and wanted is not None and vtype != wanted:
+            raise ModelError(f"{name}: {key} is stored as GGUF type {vtype}, and llama.cpp aborts on anything but "
+                             f"{WANTED_TYPES[wanted]}: the file is damaged or was written by an unknown converter")
+        if key.endswith(("image_mean", "image_std")) and g.array_types.get(key) != F32:
+            raise ModelError(f"{name}: {key} is not an array of float32, and llama.cpp aborts on it: the file is "
+                             "damaged or was written by an unknown converter")
+    weights = sum(t.n_bytes or 0 for t in g.tensors)
+    return ProjectorInfo(path, str(g.get("clip.projector_type")), weights, _compute(g))
+
+
+def _wanted(key: str, value: object) -> int | None:
+    """The GGUF type clip.cpp reads a key with (None: any)."""
+    if isinstance(value, bool):
+        return BOOL
+    if isinstance(value, int):
+        return I32 if key.endswith("minicpmv_version") else U32
+    if isinstance(value, float):
+        return F32
+    if isinstance(value, list) and key.endswith(("image_mean", "image_std")):
+        return ARRAY
+    return None
+
+
+def _compute(g: GGUFInfo) -> int:
+    """One image's encoder buffers: f32 rows of its feed-forward and embedding widths per patch (libmtmd runs
+    the encoder with flash attention where the backend has it: no attention scores held) and a fixed part.
+    A SmolVLM-sized encoder (1,024 patches, 768 wide, 3,072 feed-forward): planned 38 MiB, clip.cpp reserved
+    21 MiB on the CPU."""
+    patches = (int(g.get("clip.vision.image_size")) // max(int(g.get("clip.vision.patch_size")), 1)) ** 2
+    embd = int(g.get("clip.vision.embedding_length"))
+    ff = int(g.get("clip.vision.feed_forward_length", 0) or 0)
+    return ENCODER_FIXED + 4 * patches * (2 * max(ff, embd) + 2 * embd)
