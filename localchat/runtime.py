@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from localchat import paths
 from localchat.chat import attaching
 from localchat.chat.turns import Chat, ChatSettings
 from localchat.chatformat.templates import ChatFormat, template_problem
@@ -315,9 +314,11 @@ def open_projector(profile: Profile, info: ModelInfo, chat: Chat, report: Report
     if path is None:
         return
     try:
-        projector_info(path)
-        chat.engine.media.directory = paths.private_dir(paths.image_dir())
-        chat.vision = Projector(path, chat.engine, info.name)
+        try:
+            projector_info(path)
+            chat.vision = Projector(path, chat.engine, info.name)
+        except OSError as exc:  # unreadable while it is fingerprinted
+            raise ModelError(f"{path.name} cannot be read: {exc.strerror or exc}") from None
         chat.engine.media.refill = functools.partial(attaching.refill, chat)
     except ModelError as exc:
         if profile.mmproj != "auto":
@@ -367,10 +368,13 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
         if not said.startswith("thinking:"):
             report(f"localchat: think: {profile.think}: {said}")
     chat = Chat(engine, fmt, chat_settings(profile))
+    draft = None
     try:
         draft = open_draft(profile, plan, engine, report) if profile.draft_model else None
         open_projector(profile, info, chat, report)
     except (ModelError, ProfileError):
+        if draft is not None:
+            draft.close()
         engine.close()
         raise
     if draft is not None and chat.speculation is not None:

@@ -174,7 +174,7 @@ def test_bad_images_get_one_line_each_and_the_chat_goes_on(vision_model, tmp_pat
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     errors = [x for x in r.stderr.splitlines() if any(b in x for b in bad) and "attached" not in x]
     assert len(errors) == len(bad), r.stderr
-    assert "no such file" in errors[0] and "damaged" in errors[1] and "not an image" in errors[2]
+    assert "no such file" in errors[0] and "damaged" in errors[1] and "is not a PNG, JPEG" in errors[2]
     assert "10000x5000 pixels (50 MP)" in errors[3] and "at most 40 MP" in errors[3]
     assert f"[image: {webp}, 100x80, {IMAGE_TOKENS} tokens]" in r.stderr  # WebP is read
     assert len(st) == 1 and st[0]["image_encoded"] == 2 * IMAGE_TOKENS  # the two good ones, then the turn
@@ -300,3 +300,105 @@ def test_the_disk_cap_counts_images_encodings_with_the_kv_states(vision_model, t
     prune_kv(budget=state.stat().st_size + sum(p.stat().st_size for p in (home / "prefix-cache").glob("*.state")),
              keep=state)
     assert state.exists() and not image.exists()
+
+
+def test_the_official_form_re_lays_the_history_around_the_image_and_keeps_it(vision_dir, demo_path, official_dir,
+                                                                           tmp_path, home):
+    """Mistral Nemo's template moves the system prompt to the last user message: every turn re-lays the history
+    (canonicalized_tokens) and the image stays in it, from its embeddings, encoded once."""
+    from localchat.session.statefile import read_header
+    from tests.ggufedit import edit_gguf
+    folder = tmp_path / "nemo"
+    folder.mkdir()
+    model = edit_gguf(demo_path, folder / "nemo.gguf", {
+        "tokenizer.chat_template": (official_dir / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()})
+    (folder / "mmproj-nemo.gguf").symlink_to(vision_dir / "mmproj-demo-f16.gguf")
+    photo = picture(tmp_path / "photo.png")
+    r, rows = chat(model, tmp_path, "nemo", "What is it?\nWhat colour?\nHow large?\n", "--attach", str(photo),
+                   "--system", "You answer briefly.", "--session", "nemo")
+    assert r.returncode == 0, r.stderr
+    assert [row["image_encoded"] for row in rows] == [IMAGE_TOKENS, 0, 0]
+    assert all(row["canonicalized_tokens"] > 0 and row["recomputed_tokens"] <= row["new_tokens"] + 1
+               for row in rows[1:])
+    header, _ = read_header(home / "sessions" / "nemo" / "kv.state")
+    assert sum(t < 0 for t in header.tokens) == IMAGE_TOKENS  # the saved KV holds the image, once
+    resumed, again = chat(model, tmp_path, "nemo2", "And then?\n", "--session", "nemo")
+    assert again[0]["kv_restored"] is True and again[0]["image_encoded"] == 0
+
+
+def _engine_with_runs(demo_path, n_batch: int, non_causal: bool = False):
+    """The demo engine with two made-up image chunks of 12 rows in its table (the demo's width)."""
+    from localchat.engine.media import Embedding, identity_tokens
+    engine = make_engine(demo_path, n_batch=n_batch, n_ubatch=n_batch)
+    rng = np.random.default_rng(5)
+    runs = {}
+    for run in (7, 8):
+        data = rng.standard_normal((12, engine.media.n_embd)).astype(np.float32).tobytes()
+        runs[run] = Embedding(data, 12, non_causal)
+    engine.media.add(runs)
+    return engine, identity_tokens(7, 12), identity_tokens(8, 12)
+
+
+def test_image_runs_evaluate_alike_whatever_the_batches_and_a_repeated_image_is_two_runs(demo_path):
+    pre, post = [1, 504, 2798], [28, 4123, 30]
+    results = []
+    for n_batch in (512, 5):  # one batch for everything; batches that end inside every run
+        engine, a, b = _engine_with_runs(demo_path, n_batch)
+        try:
+            prompt = pre + a + a + b + post  # the same image twice, side by side: two runs, not one of 24 rows
+            engine.prefill(prompt)
+            results.append(_last_logits(engine))
+            assert engine.tokens == prompt and engine.n_kv == len(prompt)
+            engine.truncate(len(pre) + 18)  # undo to the middle of the second copy
+            again = engine.prefill(prompt)
+            assert again.cached == len(pre) + 12  # back to the run's start: a run is kept or dropped whole
+            assert np.allclose(_last_logits(engine), results[-1], atol=1e-3)
+        finally:
+            engine.close()
+    assert int(np.argmax(results[0])) == int(np.argmax(results[1]))
+    assert np.max(np.abs(results[0] - results[1])) < 1e-2
+
+
+def test_a_run_whose_positions_see_each_other_must_fit_one_batch(demo_path):
+    from localchat.errors import DocumentError
+    engine, a, _ = _engine_with_runs(demo_path, 8, non_causal=True)
+    try:
+        with pytest.raises(DocumentError, match="raise n_ubatch and n_batch to at least 12"):
+            engine.prefill([1, 504] + a + [30])
+    finally:
+        engine.close()
+
+
+def test_a_damaged_cache_file_is_encoded_again_and_no_session_keeps_nothing(vision_model, tmp_path, home):
+    photo = picture(tmp_path / "photo.png")
+    chat(vision_model, tmp_path, "first", "Hi\n", "--attach", str(photo), "--session", "a")
+    (cached,) = (home / "image-cache").glob("*.image")
+    data = bytearray(cached.read_bytes())
+    data[-10] ^= 0xFF  # one flipped byte in the embeddings: the CRC finds it
+    cached.write_bytes(bytes(data))
+    r, st = chat(vision_model, tmp_path, "again", "Hi\n", "--attach", str(photo), "--session", "b")
+    assert r.returncode == 0 and st[0]["image_encoded"] == IMAGE_TOKENS, r.stderr
+    fresh = tmp_path / "fresh-home"
+    r = run_cli([*ARGS, "--model", str(vision_model), "--no-session", "--attach", str(photo)], stdin="Hi\n",
+                env={"LOCALCHAT_HOME": str(fresh)})
+    assert r.returncode == 0, r.stderr
+    assert not (fresh / "image-cache").exists() or not list((fresh / "image-cache").iterdir())
+
+
+def test_a_phone_photo_is_turned_upright_and_a_glob_attaches_images(vision_model, tmp_path):
+    shots = tmp_path / "shots"
+    shots.mkdir()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: the camera was held on its side
+    Image.fromarray(np.zeros((80, 100, 3), dtype=np.uint8)).save(shots / "phone.jpg", exif=exif)
+    picture(shots / "b.png", 60, 40)
+    two = Image.fromarray(np.full((30, 50, 3), 90, dtype=np.uint8))
+    two.save(shots / "camera.jpg", format="MPO", save_all=True, append_images=[two])  # a JPEG with a second image
+    (shots / "notes.txt").write_text("Shot on a rainy day.\n")
+    r, st = chat(vision_model, tmp_path, "glob", f"/attach {shots}/*\nWhat are these?\n")
+    assert r.returncode == 0, r.stderr
+    assert f"[image: {shots}/phone.jpg, 80x100, {IMAGE_TOKENS} tokens]" in r.stderr  # upright: 80 wide
+    assert f"[image: {shots}/b.png, 60x40, {IMAGE_TOKENS} tokens]" in r.stderr
+    assert f"[image: {shots}/camera.jpg, 50x30, {IMAGE_TOKENS} tokens]" in r.stderr
+    assert f"attached {shots}/notes.txt" in r.stderr and "binary" not in r.stderr
+    assert st[0]["image_encoded"] == 3 * IMAGE_TOKENS

@@ -39,10 +39,20 @@ def add(chat: Chat, specs: list[str]) -> list[str]:
     DocumentError for a path that cannot be read or a file that cannot fit (nothing is attached then)."""
     mcp = [s for s in specs if s.startswith(MCP_SCHEME)]
     pictures = [s for s in specs if s not in mcp and not glob.has_magic(s) and images.is_image(_path(s))]
-    docs, notes = attach([s for s in specs if s not in mcp and s not in pictures])
+    globbed = [p for s in specs if s not in mcp and glob.has_magic(s)
+               for p in sorted(glob.glob(os.path.expanduser(s), recursive=True)) if images.is_image(Path(p))]
+    texts = [s for s in specs if s not in mcp and s not in pictures]
+    docs, notes = attach([s for s in texts if not (glob.has_magic(s) and _only_images(s))])
+    pictures += globbed
     docs += [_resource(chat, s[len(MCP_SCHEME):]) for s in mcp]
     docs += [_image(chat, s) for s in pictures]
     return _add(chat, docs, notes)
+
+
+def _only_images(spec: str) -> bool:
+    """A glob whose files are all images (attached as images, not read as text)."""
+    files = [Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file()]
+    return bool(files) and all(images.is_image(p) for p in files)
 
 
 def _path(spec: str) -> Path:
@@ -57,9 +67,8 @@ def _image(chat: Chat, spec: str) -> Document:
                             "mmproj-*.gguf beside the model)")
     t0 = time.perf_counter()
     it, sha256 = _encoded(chat.vision, _path(spec), spec)
-    chat.image_encoded += it.encoded
     about = {"width": it.width, "height": it.height, "tokens": it.image_tokens, "key": f"{it.key:016x}",
-             "encoded_s": round(time.perf_counter() - t0, 4) if it.encoded else 0.0,
+             "encoded": it.encoded, "encoded_s": round(time.perf_counter() - t0, 4) if it.encoded else 0.0,
              "path": str(_path(spec).resolve())}
     return Document(spec, f"[image: {spec}, {it.width}x{it.height}, {it.image_tokens} tokens]\n", sha256,
                     list(it.tokens), about)
@@ -69,7 +78,7 @@ def _encoded(vision: Projector, path: Path, name: str) -> tuple[ImageTokens, str
     """The image's tokens (and its sha256): from the cache by the file's hash, its pixels not even decoded, or
     read, checked and encoded."""
     data, sha256 = images.read_bytes(path, name)
-    hit = vision.cached(vision.key(sha256))
+    hit = vision.cached(vision.key(sha256), sha256)
     if hit is not None:
         return hit, sha256
     pic = images.decode(name, data, sha256)
@@ -97,6 +106,7 @@ def _add(chat: Chat, docs: list[Document], notes: list[str]) -> list[str]:
     if total > most:
         _refuse(chat, docs, most)
     chat.docs.pending.extend(docs)
+    chat.image_encoded += sum(d.image["encoded"] for d in docs if d.image is not None)  # counted once attached
     chat.ahead.invalidate()
     free_now, _ = room(chat)
     lines = [_attached(d) for d in docs]
@@ -106,19 +116,20 @@ def _add(chat: Chat, docs: list[Document], notes: list[str]) -> list[str]:
 
 
 def refill(chat: Chat, key: int) -> str:
-    """An image of the conversation whose encoding left the disk cache, encoded again from its file where that
-    still holds the same bytes: "" when it did, else the image's name (for the error)."""
-    found = [rec for m in chat.conv.messages for rec in m.documents
-             if rec.get("image") and int(rec["image"]["key"], 16) == key]
+    """An image of the conversation (or attached, not sent yet) whose encoding left the disk cache, encoded
+    again from its file where that still holds the same bytes: "" when it did, else the image's name (for the
+    error)."""
+    records = [rec for m in chat.conv.messages for rec in m.documents] + [d.to_json() for d in chat.docs.pending]
+    found = [rec for rec in records if rec.get("image") and int(rec["image"]["key"], 16) == key]
     for rec in found:
         try:
             data, sha256 = images.read_bytes(Path(rec["image"]["path"]), rec["name"])
-            if chat.vision is not None and sha256 == rec["sha256"]:
-                pic = images.decode(rec["name"], data, sha256)
-                chat.image_encoded += chat.vision.encode(pic.rgb, pic.width, pic.height, sha256).encoded
-                return ""
-        except DocumentError:
+        except DocumentError:  # moved or gone
             continue
+        if chat.vision is not None and sha256 == rec["sha256"] and chat.vision.key(sha256) == key:
+            pic = images.decode(rec["name"], data, sha256)
+            chat.image_encoded += chat.vision.encode(pic.rgb, pic.width, pic.height, sha256).encoded
+            return ""
     return f"the image {found[0]['name']}" if found else ""
 
 

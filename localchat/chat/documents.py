@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from localchat.chat.conversation import Message
+from localchat.chat.images import is_image
+from localchat.chat.readfile import read_limited
 from localchat.errors import DocumentError
 from localchat.fsutil import walk_files
 
@@ -121,21 +123,6 @@ def read_stream(stream: BinaryIO, name: str) -> Document | None:
     return _document(name, data, data[:5] == b"%PDF-") if data.strip() else None
 
 
-def read_limited(path: Path, name: str, limit: int, why: str) -> bytes:
-    """A file's bytes, refused with one line where it is over `limit` (`why` says why that is enough) or cannot
-    be read."""
-    try:
-        if path.stat().st_size > limit:
-            raise DocumentError(f"{name} is {path.stat().st_size / 1e6:.0f} MB; at most {limit >> 20} MiB is {why}")
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise DocumentError(f"{name}: no such file") from None
-    except IsADirectoryError:
-        raise DocumentError(f"{name} is a directory") from None
-    except OSError as exc:
-        raise DocumentError(f"{name} cannot be read: {exc.strerror or exc}") from None
-
-
 def read_file(path: Path, name: str) -> Document:
     data = read_limited(path, name, MAX_BYTES, "attached (a context holds far less)")
     return _document(name, data, data[:5] == b"%PDF-" or path.suffix.lower() == ".pdf")
@@ -150,7 +137,8 @@ def _expand(spec: str) -> tuple[list[tuple[Path, str]], bool]:
     """(file, name) pairs a path, directory or glob names; True when binaries may be skipped quietly."""
     path = Path(os.path.expanduser(spec))
     if glob.has_magic(spec):
-        matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file())
+        matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True)
+                         if Path(p).is_file() and not is_image(Path(p)))  # images are attached as images
         if not matches:
             raise DocumentError(f"{spec}: no file matches")
         return [(p, str(p)) for p in matches], True

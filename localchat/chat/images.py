@@ -11,10 +11,10 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from localchat.chat.documents import read_limited
+from localchat.chat.readfile import read_limited
 from localchat.errors import DocumentError
 
-FORMATS = {"PNG": "PNG", "JPEG": "JPEG", "WEBP": "WebP", "GIF": "GIF", "BMP": "BMP"}
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # a camera JPEG with a second image (MPO) opens as JPEG: its first
 SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp"}
 MAX_PIXELS = 40_000_000  # 40 MP: beyond any camera a user attaches from; a projector shrinks it to a few tiles
 MAX_BYTES = 64 << 20
@@ -61,28 +61,24 @@ def _pixels(name: str, data: bytes) -> tuple[int, int, bytes]:
     except ImportError:
         raise DocumentError(f"{name}: reading images needs Pillow: {INSTALL}") from None
     try:
-        with warnings.catch_warnings():  # Pillow warns of a large image on stderr; the bound below says it
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data))  # the header only, so far
-        with im:
-            if im.format not in FORMATS:
-                raise DocumentError(f"{name} is a {im.format} image; attach PNG, JPEG, WebP, GIF or BMP")
-            if im.width * im.height > MAX_PIXELS:
-                raise DocumentError(_too_large(name, f"{im.width}x{im.height} pixels "
-                                                     f"({im.width * im.height / 1e6:.0f} MP)"))
-            im.load()
-            upright = ImageOps.exif_transpose(im)
-            rgb = upright.convert("RGB")
-            return rgb.width, rgb.height, rgb.tobytes()
+        with warnings.catch_warnings():  # Pillow warns on stderr (a large image, damaged EXIF): the lines here say it
+            warnings.simplefilter("ignore")
+            with Image.open(io.BytesIO(data), formats=list(FORMATS)) as im:  # the header only, so far
+                if im.width * im.height > MAX_PIXELS:
+                    raise DocumentError(_too_large(name, f"{im.width}x{im.height} pixels "
+                                                         f"({im.width * im.height / 1e6:.0f} MP)"))
+                im.load()
+                rgb = ImageOps.exif_transpose(im).convert("RGB")
+                return rgb.width, rgb.height, rgb.tobytes()
     except DocumentError:
         raise
     except Image.DecompressionBombError as exc:  # Pillow's own bound, far above ours, met in its header read
         pixels = re.search(r"\((\d+) pixels\)", str(exc))
         raise DocumentError(_too_large(name, f"{int(pixels[1]) / 1e6:.0f} MP" if pixels else "too large")) from None
     except UnidentifiedImageError:
-        raise DocumentError(f"{name} is not an image Pillow can read (damaged, or another format)") from None
-    except (OSError, ValueError, SyntaxError) as exc:  # truncated, corrupt data
-        raise DocumentError(f"{name} is a damaged image ({exc})") from None
+        raise DocumentError(f"{name} is not a PNG, JPEG, WebP, GIF or BMP image (or it is damaged)") from None
+    except Exception as exc:  # Pillow raises many kinds on damaged data: truncated rows, bad EXIF, broken headers
+        raise DocumentError(f"{name} is a damaged image ({type(exc).__name__}: {exc})") from None
 
 
 def _too_large(name: str, size: str) -> str:

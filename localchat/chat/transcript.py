@@ -110,7 +110,8 @@ def _image(value: object) -> dict | None:
     try:
         int(str(value.get("key")), 16)
         return {"width": int(value["width"]), "height": int(value["height"]), "tokens": int(value["tokens"]),
-                "key": str(value["key"]), "encoded_s": float(value.get("encoded_s", 0.0)),
+                "key": str(value["key"]), "encoded": int(value.get("encoded", 0)),
+                "encoded_s": float(value.get("encoded_s", 0.0)),
                 "path": str(value.get("path", ""))}
     except (KeyError, TypeError, ValueError):
         return None

@@ -16,14 +16,14 @@ import llama_cpp as lc
 from localchat.engine.backend import SEQ, buffers, context_params, init_backend, model_params, start_buffer_log
 from localchat.engine.grammar import grammar_sampler
 from localchat.engine.loadlog import LOAD_LOG, explain
-from localchat.engine.media import MediaTable, run_of
+from localchat.engine.media import Embedding, MediaTable, run_of
 from localchat.engine.pinned import Staging
 from localchat.engine.sampling import drawer, finite_logits, make_sampler
 from localchat.engine.speculative import Speculation, verify
 from localchat.engine.stepcost import StepCost
 from localchat.engine.types import Cancelled, EngineConfig, Generation, PrefillResult, SamplingConfig
 from localchat.engine.vocab import VocabText
-from localchat.errors import DamagedModel, ModelError
+from localchat.errors import DamagedModel, DocumentError, ModelError
 from localchat.trace import TRACE
 
 FA_TILE = 64  # queries per tile of llama.cpp's CPU flash attention (GGML_FA_TILE_Q)
@@ -141,7 +141,7 @@ class Engine(VocabText):
         """Evaluate `tokens` from `start_pos`; `pad` more (copies of the last) evaluated beside them and
         then dropped from the KV: the batch's shape only, never its history."""
         if tokens and min(tokens) < 0:  # an image's identity tokens among them
-            self._decode_runs(tokens, start_pos, want_logits)
+            self._decode_runs(tokens, start_pos, want_logits, all_logits)
             return
         b = self._batch
         real = len(tokens)
@@ -162,62 +162,77 @@ class Engine(VocabText):
             raise ModelError("llama.cpp could not drop a batch's padding from the KV")
         self.padded += pad
 
-    def _decode_runs(self, tokens: list[int], start_pos: int, want_logits: bool) -> None:
+    def _decode_runs(self, tokens: list[int], start_pos: int, want_logits: bool, all_logits: bool) -> None:
         """Evaluate text and image runs in order: text as tokens, each image run from its embeddings."""
+        if all_logits:
+            raise ValueError("a batch that wants every position's logits (a draft's verification) holds no image")
         at = 0
         while at < len(tokens):
-            image = tokens[at] < 0
-            end = at + 1
-            while end < len(tokens) and (tokens[end] < 0) == image and \
-                    (not image or run_of(tokens[end])[0] == run_of(tokens[at])[0]):
-                end += 1
+            end = _segment_end(tokens, at)
             last = end == len(tokens) and want_logits
-            if image:
+            if tokens[at] < 0:
                 self._decode_embeddings(tokens[at:end], start_pos + at, last)
             else:
                 self._decode(tokens[at:end], start_pos + at, last)
             at = end
 
     def _decode_embeddings(self, run: list[int], start_pos: int, want_logits: bool) -> None:
-        """One image run (rows of one chunk) evaluated from its embeddings; a non-causal chunk with causal
-        attention off, as libmtmd evaluates it."""
+        """Consecutive rows of one image chunk evaluated from its embeddings: a non-causal chunk (its positions
+        see each other) in one batch with causal attention off, as libmtmd evaluates it; a causal one in
+        batches of n_batch."""
         chunk, first = run_of(run[0])
         emb = self.media.get(chunk)
+        if first + len(run) > emb.n:
+            raise ModelError("an image's tokens run past its embeddings: the session's tokens are damaged")
+        ubatch = min(self.config.n_ubatch, self.config.n_batch)
+        if emb.non_causal and len(run) > ubatch:
+            raise DocumentError(f"an image of {len(run)} positions that see each other is evaluated in one batch: "
+                                f"raise n_ubatch and n_batch to at least {len(run)}")
+        step = len(run) if emb.non_causal else self.config.n_batch
+        for at in range(0, len(run), step):
+            n = min(step, len(run) - at)
+            self._decode_rows(emb, first + at, n, start_pos + at, want_logits and at + n == len(run))
+
+    def _decode_rows(self, emb: Embedding, row: int, n: int, start_pos: int, want_logits: bool) -> None:
         width = self.media.n_embd * 4
         if self._embd_batch is None:
             self._embd_batch = lc.llama_batch_init(self.config.n_batch, self.media.n_embd, 1)
-        b, n = self._embd_batch, len(run)
-        ctypes.memmove(b.embd, emb.data[first * width:(first + n) * width], n * width)
+        batch = self._embd_batch
+        ctypes.memmove(batch.embd, emb.data[row * width:(row + n) * width], n * width)
         for i in range(n):
-            b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = start_pos + i, 1, SEQ, 0
-        b.logits[n - 1] = int(want_logits)
-        b.n_tokens = n
+            batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = start_pos + i, 1, SEQ, 0
+        batch.logits[n - 1] = int(want_logits)
+        batch.n_tokens = n
         self.logits_end = start_pos + n if want_logits else -1
         if emb.non_causal:
             lc.llama_set_causal_attn(self.ctx, False)
-        rc = lc.llama_decode(self.ctx, b)
+        rc = lc.llama_decode(self.ctx, batch)
         if emb.non_causal:
             lc.llama_set_causal_attn(self.ctx, True)
         if rc != 0:
             raise ModelError(f"llama_decode failed on an image (code {rc}): the KV cache is full or out of memory")
 
-    @staticmethod
-    def whole(tokens: list[int], n: int) -> int:
-        """`n`, or where the image run it falls inside starts: a run is evaluated or dropped whole."""
-        if 0 < n < len(tokens) and tokens[n] < 0:
-            n -= run_of(tokens[n])[1]
+    def run_start(self, tokens: list[int], n: int) -> int:
+        """`n`, or the start of the image run that a cut after n tokens would leave in part: a run is evaluated
+        or dropped whole."""
+        if 0 < n <= len(tokens) and tokens[n - 1] < 0:
+            run, row = run_of(tokens[n - 1])
+            cut = _continues(tokens, n) if n < len(tokens) else row + 1 < self.media.length(run)
+            if cut:
+                return n - row - 1
         return n
 
     def _batch_end(self, tokens: list[int], start: int, limit: int) -> int:
-        """The end of the next batch from `start`, at most `limit` tokens long, never inside an image run
-        (one that alone is longer than the limit goes whole)."""
+        """The end of the next batch from `start`, at most `limit` tokens long, never inside an image run:
+        a run alone longer than the limit goes whole (its embeddings are evaluated in pieces where they may
+        be); a run that `tokens` holds only in part is not evaluated."""
         end = min(len(tokens), start + limit)
-        cut = self.whole(tokens, end)
-        if cut > start:
+        cut = self.run_start(tokens, end)
+        if cut > start or end == len(tokens):
             return cut
-        while end < len(tokens) and tokens[end] < 0 and run_of(tokens[end])[1] > 0:
+        while end < len(tokens) and _continues(tokens, end):
             end += 1
-        return end
+        return self.run_start(tokens, end)
 
     def prefill(self, prompt: list[int], progress: Callable[[int, int], None] | None = None,
                 cancelled: Callable[[], bool] | None = None) -> PrefillResult:
@@ -229,7 +244,7 @@ class Engine(VocabText):
         first_diff = same if same < self.n_kv else -1
         # the last prompt token is evaluated for its logits, unless they are those of the work done ahead
         ready = same == len(prompt) == self.n_kv == self.logits_end
-        keep = len(prompt) if ready else self.whole(prompt, min(same, len(prompt) - 1))
+        keep = len(prompt) if ready else self.run_start(prompt, min(same, len(prompt) - 1))
         refused = keep < self.n_kv and not self.can_rewind_to(keep)
         if not self._truncate_kv(keep):
             keep = 0
@@ -263,7 +278,7 @@ class Engine(VocabText):
         rewind to the common prefix, then evaluate at most `max_tokens` more of it; with `logits`, the
         batch that ends it keeps the last token's logits, for a prefill of just `target` to sample from.
         Returns (tokens evaluated, tokens rewound); a rewind the sliding window forbids empties the KV."""
-        same = self.whole(target, self.common_prefix(target))
+        same = self.run_start(target, self.common_prefix(target))
         rewound = self.n_kv - same
         if rewound and not self._truncate_kv(same):
             rewound = same + rewound  # everything was dropped
@@ -271,7 +286,7 @@ class Engine(VocabText):
         chunk = target[self.n_kv:self._batch_end(target, self.n_kv, room) if room else self.n_kv]
         if chunk:
             ends = logits and self.n_kv + len(chunk) == len(target)
-            if ends and self.overlaps and len(chunk) > 1:
+            if ends and self.overlaps and len(chunk) > 1 and chunk[-1] >= 0:
                 # the last token alone: the reply's first one-token step reuses its graph instead of building
                 # one on the way to the first text (llama.cpp rebuilds it when the batch shape changes)
                 self._decode(chunk[:-1], self.n_kv, want_logits=False)
@@ -483,3 +498,23 @@ def _stamp(gen: Generation, i: int, at: float) -> None:
         TRACE.stamp("first_token")
     elif i == 1:
         gen.second_token_at = at
+
+
+def _continues(tokens: list[int], i: int) -> bool:
+    """Whether tokens[i] is the next row of the image run tokens[i - 1] belongs to."""
+    if tokens[i] >= 0 or tokens[i - 1] >= 0:
+        return False
+    run, row = run_of(tokens[i - 1])
+    return run_of(tokens[i]) == (run, row + 1)
+
+
+def _segment_end(tokens: list[int], at: int) -> int:
+    """The end of the text run, or of the consecutive rows of one image run, that starts at `at`."""
+    end = at + 1
+    if tokens[at] >= 0:
+        while end < len(tokens) and tokens[end] >= 0:
+            end += 1
+    else:
+        while end < len(tokens) and _continues(tokens, end):
+            end += 1
+    return end

@@ -27,10 +27,14 @@ MAGIC = b"localchat-image 1\n"
 
 
 def run_id(key: int, chunk: int) -> int:
+    """The run of an image's chunk: its key's bits, then the chunk's index."""
+    if not 0 <= chunk < 1 << CHUNK_BITS:
+        raise DocumentError(f"an image split into more than {1 << CHUNK_BITS} chunks is not taken")
     return (key % (1 << KEY_BITS)) << CHUNK_BITS | chunk
 
 
 def identity_tokens(run: int, n: int) -> list[int]:
+    """The tokens that stand for a run's n rows in the history."""
     base = 1 + (run << ROW_BITS)
     return [-(base + j) for j in range(n)]
 
@@ -42,6 +46,7 @@ def run_of(token: int) -> tuple[int, int]:
 
 
 def image_key(run: int) -> int:
+    """The key of the image a run belongs to (its cache file)."""
     return run >> CHUNK_BITS
 
 
@@ -56,6 +61,7 @@ class Embedding:
 
 
 def cache_file(directory: Path, key: int) -> Path:
+    """Where an image's layout and embeddings are kept."""
     return directory / f"{key:010x}.image"
 
 
@@ -75,25 +81,30 @@ def save(path: Path, layout: list[dict], embeddings: dict[int, Embedding], about
 
 
 def load(path: Path) -> tuple[dict, dict[int, Embedding]] | None:
-    """(header, embeddings by run) of a cached image; None when it is missing or damaged (then encoded again)."""
+    """(header, embeddings by run) of a cached image; None when it is missing or damaged in any part (then the
+    image is encoded again)."""
     try:
         data = path.read_bytes()
-    except OSError:
-        return None
-    if not data.startswith(MAGIC):
+        os.utime(path)  # the disk cap drops the least recently used first
+    except OSError:  # gone (the disk cap took it meanwhile), unreadable
         return None
     end = data.find(b"\n", len(MAGIC))
+    if not data.startswith(MAGIC) or end < 0:
+        return None
     try:
         header = json.loads(data[len(MAGIC):end])
-        payload = data[end + 1:]
+        payload = memoryview(data)[end + 1:]
         if len(payload) != header["size"] or zlib.crc32(payload) != header["crc32"]:
             return None
-        width = header["n_embd"] * 4
-        runs = {int(r): Embedding(payload[v["offset"]:v["offset"] + v["n"] * width], int(v["n"]), bool(v["non_causal"]))
-                for r, v in header["runs"].items()}
-    except (ValueError, KeyError, TypeError):
+        width = int(header["n_embd"]) * 4
+        runs = {}
+        for key, v in header["runs"].items():
+            at, n = int(v["offset"]), int(v["n"])
+            if at < 0 or n <= 0 or at + n * width > len(payload):
+                return None
+            runs[int(key)] = Embedding(bytes(payload[at:at + n * width]), n, bool(v["non_causal"]))
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    os.utime(path)  # the disk cap drops the least recently used first
     return header, runs
 
 
@@ -111,6 +122,11 @@ class MediaTable:
     def add(self, embeddings: dict[int, Embedding]) -> None:
         self.runs.update(embeddings)
 
+    def length(self, run: int) -> int:
+        """The rows of a run known in memory (0: not known here)."""
+        emb = self.runs.get(run)
+        return emb.n if emb is not None else 0
+
     def get(self, run: int) -> Embedding:
         emb = self.runs.get(run)
         if emb is None and self.directory is not None:
@@ -123,5 +139,6 @@ class MediaTable:
             emb = self.runs.get(run)
             if emb is None:
                 raise DocumentError(f"{gone or 'an image of this chat'} is no longer in the image cache, and its file "
-                                    "is gone or changed: /new starts a chat without it (the transcript keeps it)")
+                                    "is gone or changed (or the projector that read it is not this chat's): /new "
+                                    "starts a chat without it (the transcript keeps it)")
         return emb

@@ -205,7 +205,8 @@ def prime(chain: object, s: SamplingConfig, tokens: list[int]) -> None:
         member = lc.llama_sampler_chain_get(chain, i)
         lc.llama_sampler_reset(member)
         for tok in tokens[len(tokens) - min(window, len(tokens)):]:
-            lc.llama_sampler_accept(member, tok)
+            if tok >= 0:  # an image's identity tokens are no vocabulary's (as int32 some would wrap into one)
+                lc.llama_sampler_accept(member, tok)
 
 
 def finite_logits(ctx: object, vocab: object, i: int = -1) -> bool:

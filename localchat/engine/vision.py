@@ -74,18 +74,26 @@ class Projector:
         return int(hashlib.sha256(f"{self.fingerprint}:{image_sha256}".encode()).hexdigest()[:16], 16) % \
             (1 << media.KEY_BITS)
 
-    def cached(self, key: int) -> ImageTokens | None:
-        """The image's tokens from the disk cache, with its embeddings put in the engine's table."""
+    def cached(self, key: int, image_sha256: str) -> ImageTokens | None:
+        """The image's tokens from the disk cache, with its embeddings put in the engine's table; None where it
+        is not there, is another image's or projector's, or does not hold together."""
         directory = self.engine.media.directory
         found = media.load(media.cache_file(directory, key)) if directory is not None else None
-        if found is None or found[0].get("projector") != self.fingerprint or \
-                found[0].get("n_embd") != self.engine.media.n_embd or found[0].get("format") != LAYOUT_FORMAT:
+        if found is None:
             return None
         header, runs = found
+        about = (header.get("format"), header.get("projector"), header.get("image"), header.get("n_embd"))
+        if about != (LAYOUT_FORMAT, self.fingerprint, image_sha256, self.engine.media.n_embd):
+            return None
+        try:
+            tokens = _layout_tokens(header["layout"], runs, lc.llama_vocab_n_tokens(self.engine.vocab))
+            found_tokens = ImageTokens(tokens, sum(e.n for e in runs.values()), 0, key, int(header["width"]),
+                                       int(header["height"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        self._check_fits(runs)
         self.engine.media.add(runs)
-        tokens = [t for part in header["layout"] for t in
-                  (part["text"] if "text" in part else media.identity_tokens(part["run"], part["n"]))]
-        return ImageTokens(tokens, sum(e.n for e in runs.values()), 0, key, int(header["width"]), int(header["height"]))
+        return found_tokens
 
     def encode(self, rgb: bytes, width: int, height: int, image_sha256: str) -> ImageTokens:
         """The image's tokens, split and encoded (and cached): `cached` first finds one seen before."""
@@ -97,6 +105,7 @@ class Projector:
         finally:
             M.mtmd_input_chunks_free(chunks)
             M.mtmd_bitmap_free(bitmap)
+        self._check_fits(runs)
         self.engine.media.add(runs)
         if self.engine.media.directory is not None:
             about = {"format": LAYOUT_FORMAT, "projector": self.fingerprint, "image": image_sha256,
@@ -104,11 +113,19 @@ class Projector:
             try:
                 media.save(media.cache_file(self.engine.media.directory, key), layout, runs, about)
             except OSError as exc:  # a full disk: the image is still attached, only not cached for the next chat
-                log.warning("the image cache could not keep an image: %s", exc)
-        tokens = [t for part in layout for t in
-                  (part["text"] if "text" in part else media.identity_tokens(part["run"], part["n"]))]
+                log.info("the image cache could not keep an image: %s", exc)
         n = sum(e.n for e in runs.values())
-        return ImageTokens(tokens, n, n, key, width, height)
+        return ImageTokens(_layout_tokens(layout, runs, lc.llama_vocab_n_tokens(self.engine.vocab)), n, n, key, width,
+                           height)
+
+    def _check_fits(self, runs: dict[int, Embedding]) -> None:
+        """A chunk whose positions see each other is evaluated in one batch: refused here, at attach time, where
+        this context's batch is smaller (a causal one is evaluated in pieces)."""
+        ubatch = min(self.engine.config.n_ubatch, self.engine.config.n_batch)
+        widest = max((e.n for e in runs.values() if e.non_causal), default=0)
+        if widest > ubatch:
+            raise DocumentError(f"the image is {widest} positions that see each other, evaluated in one batch, and "
+                                f"n_ubatch is {ubatch}: raise n_ubatch and n_batch to at least {widest}")
 
     def _split(self, bitmap: int, chunks: int, key: int) -> tuple[list[dict], dict[int, Embedding]]:
         """The projector's chunks of the image: text parts as tokens, image parts encoded."""
@@ -138,9 +155,6 @@ class Projector:
 
     def _encode_chunk(self, chunk: int) -> Embedding:
         n = M.mtmd_input_chunk_get_n_tokens(chunk)
-        if n > self.engine.config.n_ubatch:
-            raise DocumentError(f"an image chunk of {self.name} is {n} tokens, more than n_ubatch "
-                                f"({self.engine.config.n_ubatch}) evaluates at once: raise n_ubatch and n_batch")
         if M.mtmd_encode_chunk(self.ctx, chunk) != 0:
             raise DocumentError(f"the projector {self.name} failed to encode the image")
         size = n * self.engine.media.n_embd * 4
@@ -151,3 +165,20 @@ class Projector:
         if getattr(self, "ctx", None):
             M.mtmd_free(self.ctx)
             self.ctx = None
+
+
+def _layout_tokens(layout: list[dict], runs: dict[int, Embedding], n_vocab: int) -> list[int]:
+    """The image's tokens from its layout: text parts as they are, each image part its run's identity tokens."""
+    tokens: list[int] = []
+    for part in layout:
+        if "text" in part:
+            text = [int(t) for t in part["text"]]
+            if not all(0 <= t < n_vocab for t in text):
+                raise ValueError("a layout's text outside the vocabulary")
+            tokens += text
+        else:
+            run = int(part["run"])
+            if run not in runs or runs[run].n != int(part["n"]):
+                raise ValueError("a layout's run without its embeddings")
+            tokens += media.identity_tokens(run, runs[run].n)
+    return tokens

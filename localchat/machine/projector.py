@@ -12,6 +12,7 @@ from localchat.machine.gguf_file import GGUFInfo, read_gguf
 
 U32, I32, F32, BOOL, STRING, ARRAY = 4, 5, 6, 7, 8, 9
 WANTED_TYPES = {U32: "uint32", I32: "int32", F32: "float32", BOOL: "bool", STRING: "string", ARRAY: "array"}
+SHARED_START = 6  # characters two names share at their start to be taken as one model's files
 ENCODER_FIXED = 8 << 20  # clip.cpp's graph and input staging beside the activations
 REQUIRED = ("clip.vision.image_size", "clip.vision.patch_size", "clip.vision.embedding_length",
             "clip.vision.block_count", "clip.vision.attention.head_count")
@@ -30,15 +31,22 @@ class ProjectorInfo:
 
 
 def find_beside(model: Path) -> Path | None:
-    """The one projector in the model's folder (`*mmproj*.gguf`); of several, the one whose name shares the
-    longest start with the model's; None where there is none or no single best."""
-    found = [p for p in model.parent.glob("*.gguf") if "mmproj" in p.name.lower() and p != model]
-    if len(found) <= 1:
-        return found[0] if found else None
-    shared = {p: _common_start(p.name.lower(), model.name.lower()) for p in found}
-    best = max(shared.values())
-    ties = [p for p, n in shared.items() if n == best]
-    return ties[0] if len(ties) == 1 else None
+    """The projector beside the model: a .gguf with mmproj in its name, in a folder that is the model's own
+    (every other model in it starts as the model's name does, as a repository's quantizations do), or one whose
+    name starts as the model's; of several, f16 before bf16 before f32, then the one most like the model's name."""
+    name = model.name.lower()
+    ggufs = [p for p in model.parent.glob("*.gguf") if p != model]
+    projectors = [p for p in ggufs if "mmproj" in p.name.lower()]
+    own = all(_common_start(p.name.lower(), name) >= SHARED_START for p in ggufs if p not in projectors)
+    found = [p for p in projectors if own or _common_start(_unprefixed(p.name), name) >= SHARED_START]
+    return min(found, key=lambda p: (_precision(p.name.lower()), -_common_start(_unprefixed(p.name), name),
+                                     p.name), default=None)
+
+
+def _unprefixed(name: str) -> str:
+    """A projector's name without its leading "mmproj-" (mmproj-gemma-3-4b-f16.gguf: gemma-3-4b-f16.gguf)."""
+    low = name.lower()
+    return low[7:] if low.startswith(("mmproj-", "mmproj_", "mmproj.")) else low
 
 
 def _common_start(a: str, b: str) -> int:
@@ -46,6 +54,10 @@ def _common_start(a: str, b: str) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def _precision(name: str) -> int:
+    return 0 if "f16" in name.replace("bf16", "") else 1 if "bf16" in name else 2 if "f32" in name else 3
 
 
 def projector_info(path: Path) -> ProjectorInfo:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from localchat import paths
 from localchat.chat import transcript
 from localchat.chat.stats import TurnStats
 from localchat.chat.turns import NO_INPUTS, Progress, TextSink, TurnInputs
@@ -65,6 +66,9 @@ class Session:
                           int(rt.profile.max_kv_disk_gb * GIB))
         self.kv = KVDisk(rt.engine, ModelHasher(rt.model.path, start=prefix_store), about)
         self.prefix_cache = PrefixCache(self.kv, self.writer) if prefix_store else None
+        # images' encodings are kept on disk where the prefix store is (--no-session keeps nothing); a chat
+        # whose projector is off still evaluates the images of its history from them
+        rt.engine.media.directory = paths.private_dir(paths.image_dir()) if prefix_store else None
 
     # ------------------------------------------------------------ opening
     @classmethod

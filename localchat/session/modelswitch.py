@@ -31,7 +31,8 @@ def switch_model(ctl: Session, name: str) -> str:
     ChatEnded when not even that model loads again (the session is saved: resume it later)."""
     old = ctl.rt
     asked = old.requested or old.profile
-    profile = replace(asked, model=name, draft_model="")  # a draft is made for one vocabulary
+    # a draft is made for one vocabulary, a projector for one model: the next model's own is found beside it
+    profile = replace(asked, model=name, draft_model="", mmproj="off" if asked.mmproj == "off" else "auto")
     info = runtime.resolve_model(profile, ctl.report)
     info.check_loadable()  # a missing or damaged file is refused before anything is unloaded
     if ctl.store is not None:
