@@ -27,6 +27,8 @@ CLASSES = {
     "test_hostile_models": "Damaged model files (hyper-parameters, vocabulary, tensors, types, NaN weights)",
     "test_sudden_end": "A closed terminal, SIGTERM, SIGHUP, kill -9 mid-reply and mid tool loop: nothing typed, "
                        "read or run lost",
+    "test_hostile_images": "Damaged vision projectors (refused before clip.cpp would abort) and hostile images "
+                           "(damaged, truncated, bombs): one line each",
 }
 
 

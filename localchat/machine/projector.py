@@ -12,6 +12,8 @@ from localchat.machine.gguf_file import GGUFInfo, read_gguf
 
 U32, I32, F32, BOOL, STRING, ARRAY = 4, 5, 6, 7, 8, 9
 WANTED_TYPES = {U32: "uint32", I32: "int32", F32: "float32", BOOL: "bool", STRING: "string", ARRAY: "array"}
+MAX_BLOCKS = 1024
+FIXED_SIZE = ("gemma3", "idefics3")  # projector types whose images are resized to image_size, in patches
 SHARED_START = 6  # characters two names share at their start to be taken as one model's files
 ENCODER_FIXED = 8 << 20  # clip.cpp's graph and input staging beside the activations
 REQUIRED = ("clip.vision.image_size", "clip.vision.patch_size", "clip.vision.embedding_length",
@@ -73,28 +75,61 @@ def projector_info(path: Path) -> ProjectorInfo:
         if key not in g.metadata:
             raise ModelError(f"{name} lacks {key}: it is damaged or was written by an unknown converter")
     for key, vtype in g.value_types.items():
-        wanted = _wanted(key, g.metadata[key])
-        if key.startswith("clip.") and wanted is not None and vtype != wanted:
+        wanted = _wanted(key)
+        if wanted is not None and vtype != wanted:
             raise ModelError(f"{name}: {key} is stored as GGUF type {vtype}, and llama.cpp aborts on anything but "
                              f"{WANTED_TYPES[wanted]}: the file is damaged or was written by an unknown converter")
         if key.endswith(("image_mean", "image_std")) and g.array_types.get(key) != F32:
             raise ModelError(f"{name}: {key} is not an array of float32, and llama.cpp aborts on it: the file is "
                              "damaged or was written by an unknown converter")
+    problem = _shape_problem(g)
+    if problem:
+        raise ModelError(f"{name}: {problem}, which llama.cpp would abort on: the file is damaged")
     weights = sum(t.n_bytes or 0 for t in g.tensors)
     return ProjectorInfo(path, str(g.get("clip.projector_type")), weights, _compute(g))
 
 
-def _wanted(key: str, value: object) -> int | None:
-    """The GGUF type clip.cpp reads a key with (None: any)."""
-    if isinstance(value, bool):
-        return BOOL
-    if isinstance(value, int):
-        return I32 if key.endswith("minicpmv_version") else U32
-    if isinstance(value, float):
+def _shape_problem(g: GGUFInfo) -> str:
+    """What of the vision encoder's sizes and tensors does not hold together ("" when all does): the parts
+    every ViT projector shares, and the projection of the types localchat is tested with."""
+    embd, heads = int(g.get("clip.vision.embedding_length")), int(g.get("clip.vision.attention.head_count"))
+    size, patch = int(g.get("clip.vision.image_size")), int(g.get("clip.vision.patch_size"))
+    if heads <= 0 or embd % heads:
+        return f"clip.vision.attention.head_count {heads} does not divide its width {embd}"
+    if str(g.get("clip.projector_type")) in FIXED_SIZE and (size <= 0 or patch <= 0 or size % patch):
+        return f"clip.vision.image_size {size} is not a multiple of its patch size {patch}"
+    blocks = int(g.get("clip.vision.block_count"))
+    if not 0 <= blocks <= MAX_BLOCKS:
+        return f"clip.vision.block_count {blocks} is past any encoder's (at most {MAX_BLOCKS})"
+    shapes = {t.name: t.shape for t in g.tensors}
+    side = size // patch if patch > 0 else 0
+    wanted = {"v.patch_embd.weight": (patch, patch, 3, embd), "v.position_embd.weight": (embd, side * side)}
+    for i in range(blocks):
+        wanted.update({f"v.blk.{i}.attn_{w}.weight": (embd, embd) for w in ("q", "k", "v", "out")})
+        wanted.update({f"v.blk.{i}.{n}.weight": (embd,) for n in ("ln1", "ln2")})
+    merge = int(g.get("clip.vision.projector.scale_factor", 1) or 1)
+    if str(g.get("clip.projector_type")) == "gemma3" and "mm.input_projection.weight" in shapes:
+        wanted["mm.input_projection.weight"] = (shapes["mm.input_projection.weight"][0], embd)
+    if str(g.get("clip.projector_type")) == "idefics3" and "mm.model.fc.weight" in shapes:
+        wanted["mm.model.fc.weight"] = (embd * merge * merge, shapes["mm.model.fc.weight"][-1])
+    for tensor, shape in wanted.items():
+        if tensor in shapes and tuple(shapes[tensor]) != shape:
+            return f"tensor {tensor} has the shape {list(shapes[tensor])}, its sizes say {list(shape)}"
+    return ""
+
+
+def _wanted(key: str) -> int | None:
+    """The GGUF type clip.cpp reads a key with, by its name (None: not a scalar it asserts on)."""
+    if not key.startswith("clip.") or key.endswith(("image_mean", "image_std", "pinpoints", "feature_layer",
+                                                    "indexes", "spatial_offsets", "pattern_mode", "codebook_size")):
+        return ARRAY if key.endswith(("image_mean", "image_std")) else None
+    if "epsilon" in key or key.endswith("swiglu_clamp"):
         return F32
-    if isinstance(value, list) and key.endswith(("image_mean", "image_std")):
-        return ARRAY
-    return None
+    if key.startswith(("clip.has_", "clip.use_")):
+        return BOOL
+    if key.endswith(("projector_type", "merge_type", "model_variant")):
+        return STRING
+    return I32 if key.endswith("minicpmv_version") else U32
 
 
 def _compute(g: GGUFInfo) -> int:
