@@ -254,6 +254,8 @@ class Engine(VocabText):
             if cancelled and cancelled():
                 raise Cancelled()
             chunk = prompt[pos:self._batch_end(prompt, pos, self.config.n_batch)]
+            if not chunk:  # a prompt that ends inside an image: no batch can hold it whole
+                raise ValueError("a prompt must not end inside an image's run")
             self._decode(chunk, pos, want_logits=pos + len(chunk) == len(prompt),
                          pad=self._padding(len(chunk), pos))
             pos += len(chunk)
