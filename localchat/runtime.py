@@ -170,7 +170,7 @@ def plans_for_command(profile: Profile, info: ModelInfo) -> tuple[Profile, planm
     cards the profile is written for; where this build or machine cannot use them, those cards as the profile
     writes them (beside the RPC servers' devices, read), whatever the build."""
     chat_profile, why = effective_profile(profile)
-    info = with_projector(chat_profile, info)
+    info, _ = with_projector(chat_profile, info)
     cards = cards_for(chat_profile)
     chat = planmod.make_plan(chat_profile, info, cards=cards)
     if not why:
@@ -293,32 +293,33 @@ def projector_path(profile: Profile, info: ModelInfo) -> Path | None:
     return path
 
 
-def with_projector(profile: Profile, info: ModelInfo) -> ModelInfo:
-    """The model as the plan counts it: with the vision projector it will load beside it (a projector found
-    beside it that cannot load is left out, as the chat leaves it)."""
+def with_projector(profile: Profile, info: ModelInfo) -> tuple[ModelInfo, str]:
+    """The model as the plan counts it and the chat loads it: with the vision projector beside it, read and
+    checked once; and why a projector found beside it is left out ("" where none is). One the profile names
+    must pass the checks."""
     path = projector_path(profile, info)
     try:
         need = projector_info(path).total_bytes if path is not None else 0
-    except ModelError:
+    except ModelError as exc:
         if profile.mmproj != "auto":
             raise
-        need = 0
-    return replace(info, projector_bytes=need)
+        return info, str(exc)
+    return replace(info, projector=path, projector_bytes=need), ""
 
 
-def open_projector(profile: Profile, info: ModelInfo, chat: Chat, report: Report) -> None:
-    """The vision projector bound to the model, checked before llama.cpp reads it; its embeddings cached on
-    disk. One named by the profile must load; one found beside the model that does not fit leaves the chat
-    without images (a line now, and again at /attach)."""
-    path = projector_path(profile, info)
-    if path is None:
-        return
+def open_projector(profile: Profile, info: ModelInfo, left_out: str, chat: Chat, report: Report) -> None:
+    """The vision projector `with_projector` checked, bound to the model; its embeddings cached on disk. One
+    named by the profile must load; one found beside the model that does not fit leaves the chat without
+    images (a line now, and again at /attach)."""
     try:
+        if left_out:
+            raise ModelError(left_out)
+        if info.projector is None:
+            return
         try:
-            projector_info(path)
-            chat.vision = Projector(path, chat.engine, info.name)
+            chat.vision = Projector(info.projector, chat.engine, info.name)
         except OSError as exc:  # unreadable while it is fingerprinted
-            raise ModelError(f"{path.name} cannot be read: {exc.strerror or exc}") from None
+            raise ModelError(f"{info.projector.name} cannot be read: {exc.strerror or exc}") from None
         chat.engine.media.refill = functools.partial(attaching.refill, chat)
     except ModelError as exc:
         if profile.mmproj != "auto":
@@ -352,7 +353,7 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
     info = resolve_model(profile, report)
     info.check_loadable()
     profile, warning = effective_profile(fit_trained_context(profile, info, explicit_ctx, report))
-    info = with_projector(profile, info)
+    info, left_out = with_projector(profile, info)
     plan = plan_for(profile, info, report)
     for endpoint in profile.rpc_servers if plan.gpu else ():
         register_rpc(endpoint)  # answered rpc.probe in cards_for: ggml aborts on a server that does not
@@ -371,7 +372,7 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
     draft = None
     try:
         draft = open_draft(profile, plan, engine, report) if profile.draft_model else None
-        open_projector(profile, info, chat, report)
+        open_projector(profile, info, left_out, chat, report)
     except (ModelError, ProfileError):
         if draft is not None:
             draft.close()

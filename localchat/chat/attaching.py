@@ -38,21 +38,28 @@ def add(chat: Chat, specs: list[str]) -> list[str]:
     """Attach the files the paths name to the next message; one line per file (or skip) for the user.
     DocumentError for a path that cannot be read or a file that cannot fit (nothing is attached then)."""
     mcp = [s for s in specs if s.startswith(MCP_SCHEME)]
-    pictures = [s for s in specs if s not in mcp and not glob.has_magic(s) and images.is_image(_path(s))]
-    globbed = [p for s in specs if s not in mcp and glob.has_magic(s)
-               for p in sorted(glob.glob(os.path.expanduser(s), recursive=True)) if images.is_image(Path(p))]
-    texts = [s for s in specs if s not in mcp and s not in pictures]
-    docs, notes = attach([s for s in texts if not (glob.has_magic(s) and _only_images(s))])
-    pictures += globbed
+    texts, pictures = _sorted_out([s for s in specs if s not in mcp])
+    docs, notes = attach(texts)
     docs += [_resource(chat, s[len(MCP_SCHEME):]) for s in mcp]
     docs += [_image(chat, s) for s in pictures]
     return _add(chat, docs, notes)
 
 
-def _only_images(spec: str) -> bool:
-    """A glob whose files are all images (attached as images, not read as text)."""
-    files = [Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True) if Path(p).is_file()]
-    return bool(files) and all(images.is_image(p) for p in files)
+def _sorted_out(specs: list[str]) -> tuple[list[str], list[str]]:
+    """(the specs read as text, the images): a glob's images are taken out of it, and a glob of images alone
+    is not read as text."""
+    texts: list[str] = []
+    pictures: list[str] = []
+    for spec in specs:
+        if not glob.has_magic(spec):
+            (pictures if images.is_image(_path(spec)) else texts).append(spec)
+            continue
+        files = [p for p in sorted(glob.glob(os.path.expanduser(spec), recursive=True)) if Path(p).is_file()]
+        found = [p for p in files if images.is_image(Path(p))]
+        pictures += found
+        if len(found) < len(files) or not files:  # text among them, or nothing: the documents' rules say which
+            texts.append(spec)
+    return texts, pictures
 
 
 def _path(spec: str) -> Path:

@@ -117,7 +117,7 @@ class MediaTable:
         self.directory: Path | None = None  # the disk cache (set by the runtime)
         self.n_embd = 0
         # encodes an image again from its file, by its key: "" when it did, else what the error says of it
-        self.refill: Callable[[int], str] = lambda key: "an image of this chat"
+        self.refill: Callable[[int], str] = lambda key: ""
 
     def add(self, embeddings: dict[int, Embedding]) -> None:
         self.runs.update(embeddings)

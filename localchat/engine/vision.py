@@ -69,6 +69,7 @@ class Projector:
             raise ModelError(f"{path.name} places images by M-RoPE positions (Qwen-VL), which localchat does not "
                              "support yet")
         self.fingerprint = fingerprint(path)
+        self.n_vocab = lc.llama_vocab_n_tokens(engine.vocab)
 
     def key(self, image_sha256: str) -> int:
         return int(hashlib.sha256(f"{self.fingerprint}:{image_sha256}".encode()).hexdigest()[:16], 16) % \
@@ -86,7 +87,7 @@ class Projector:
         if about != (LAYOUT_FORMAT, self.fingerprint, image_sha256, self.engine.media.n_embd):
             return None
         try:
-            tokens = _layout_tokens(header["layout"], runs, lc.llama_vocab_n_tokens(self.engine.vocab))
+            tokens = _layout_tokens(header["layout"], runs, self.n_vocab)
             found_tokens = ImageTokens(tokens, sum(e.n for e in runs.values()), 0, key, int(header["width"]),
                                        int(header["height"]))
         except (KeyError, TypeError, ValueError):
@@ -115,8 +116,7 @@ class Projector:
             except OSError as exc:  # a full disk: the image is still attached, only not cached for the next chat
                 log.info("the image cache could not keep an image: %s", exc)
         n = sum(e.n for e in runs.values())
-        return ImageTokens(_layout_tokens(layout, runs, lc.llama_vocab_n_tokens(self.engine.vocab)), n, n, key, width,
-                           height)
+        return ImageTokens(_layout_tokens(layout, runs, self.n_vocab), n, n, key, width, height)
 
     def _check_fits(self, runs: dict[int, Embedding]) -> None:
         """A chunk whose positions see each other is evaluated in one batch: refused here, at attach time, where
@@ -136,14 +136,13 @@ class Projector:
             raise DocumentError(f"the projector {self.name} could not prepare the image (code {rc})")
         layout: list[dict] = []
         runs: dict[int, Embedding] = {}
-        n_vocab = lc.llama_vocab_n_tokens(self.engine.vocab)
         for i in range(M.mtmd_input_chunks_size(chunks)):
             chunk = M.mtmd_input_chunks_get(chunks, i)
             if M.mtmd_input_chunk_get_type(chunk) == M.MTMD_INPUT_CHUNK_TYPE_TEXT:
                 count = ctypes.c_size_t()
                 ptr = M.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
                 tokens = [ptr[j] for j in range(count.value)]
-                if any(t < 0 or t >= n_vocab for t in tokens):  # its image markers are not in this vocabulary
+                if any(t < 0 or t >= self.n_vocab for t in tokens):  # its image markers are not in this vocabulary
                     raise DocumentError(f"the projector {self.name} marks images with tokens this model's vocabulary "
                                         "lacks: it was made for another model")
                 layout.append({"text": tokens})

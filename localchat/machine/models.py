@@ -61,7 +61,8 @@ class ModelInfo:
     notices: tuple[str, ...] = ()  # metadata of the wrong type, ignored (modelcheck.ignored)
     problem: str = ""  # why llama.cpp would abort on the file ("" when nothing was found): it is not loaded
     pooling: int = 0  # {arch}.pooling_type: an embedding model pools its tokens into one vector
-    projector_bytes: int = 0  # a vision projector loaded beside it: its weights and encoder (on the first device)
+    projector: Path | None = None  # the vision projector loaded beside it, checked (runtime.with_projector)
+    projector_bytes: int = 0  # its weights and encoder (planned on the first device)
 
     @property
     def embeds_only(self) -> bool:

@@ -4,6 +4,7 @@ uint32, floats as f32), and sized for the memory plan: its weights and its encod
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,10 +53,7 @@ def _unprefixed(name: str) -> str:
 
 
 def _common_start(a: str, b: str) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    return len(os.path.commonprefix([a, b]))
 
 
 def _precision(name: str) -> int:
