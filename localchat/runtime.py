@@ -35,7 +35,7 @@ from localchat.machine.fetch import EMBEDDING_MODELS, ensure_builtin
 from localchat.machine.models import ModelInfo
 from localchat.machine.placement import Card
 from localchat.machine.plan import MemoryPlan
-from localchat.machine.projector import find_beside, projector_info
+from localchat.machine.projector import QWEN_VL, find_beside, projector_info
 from localchat.machine.threads import ThreadFit
 from localchat.settings import SETTING_KEYS, Profile, thread_count
 
@@ -298,13 +298,15 @@ def with_projector(profile: Profile, info: ModelInfo) -> tuple[ModelInfo, str]:
     checked once; and why a projector found beside it is left out ("" where none is). One the profile names
     must pass the checks."""
     path = projector_path(profile, info)
+    if path is None:
+        return info, ""
     try:
-        need = projector_info(path).total_bytes if path is not None else 0
+        found = projector_info(path)
     except ModelError as exc:
         if profile.mmproj != "auto":
             raise
         return info, str(exc)
-    return replace(info, projector=path, projector_bytes=need), ""
+    return replace(info, projector=path, projector_bytes=found.total_bytes, projector_kind=found.kind), ""
 
 
 def open_projector(profile: Profile, info: ModelInfo, left_out: str, chat: Chat, report: Report) -> None:
@@ -316,6 +318,9 @@ def open_projector(profile: Profile, info: ModelInfo, left_out: str, chat: Chat,
             raise ModelError(left_out)
         if info.projector is None:
             return
+        if chat.engine.mrope and info.projector_kind not in QWEN_VL:  # libmtmd would place its images by M-RoPE
+            raise ModelError(f"{info.projector.name} ({info.projector_kind}) would place images by M-RoPE in a way "
+                             "localchat is not tested with: Qwen2-VL's and Qwen2.5-VL's projectors are")
         try:
             chat.vision = Projector(info.projector, chat.engine, info.name)
         except OSError as exc:  # unreadable while it is fingerprinted

@@ -14,13 +14,15 @@
 #                                               # llama-server (BEFORE=DIR: an older localchat/ there first)
 #   bash scripts/gpu_final.sh gap34 OUTDIR     # the 8B shape: bench --decode against llama-bench (its first step
 #                                               # apart), bench --document 20000 f16, the pinned state copies
+#   bash scripts/gpu_final.sh images OUTDIR    # the 8B shape with a random projector: an image's first and cached use
+#   bash scripts/gpu_final.sh mrope OUTDIR     # the tiny model only: Qwen-VL's M-RoPE image placement against libmtmd
 #   bash scripts/gpu_final.sh split OUTDIR     # two GPUs (nvidia-h200-x2): the 8B shape on one GPU, split by layer
 #                                               # and by row: plan per device, tokens, speeds, a session moved
 # A phase finds the build and the models of an earlier one on the same machine, else makes them.
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-case $PHASE in decode|document|statecost|split|split2|tools|ui|gap34) export MODELS=${MODELS:-8b-gqa};; demo) export MODELS=${MODELS:-tiny};; esac
+case $PHASE in decode|document|statecost|split|split2|tools|ui|gap34|images) export MODELS=${MODELS:-8b-gqa};; demo|mrope) export MODELS=${MODELS:-tiny};; esac
 # one model: the build and it fit with the runs (the demo phase brings its own)
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
@@ -31,6 +33,7 @@ echo "ready at $(( $(date +%s) - t0 )) s"
 . /tmp/lcgpu/env.sh
 export PYTHONUNBUFFERED=1 LOCALCHAT_HOME=/tmp/lch
 M=/tmp/lcgpu/models; B=/tmp/lcgpu/build/bin
+export MTMD_CPP_LIB=$B  # libmtmd (images) is built beside libllama, where llama-cpp-python looks for it by this
 case $PHASE in
   memory)
     KVS=f16 timeout 60 python3 scripts/gpu_memory.py sweep $M/7b-mha.gguf > "$OUT/sweep.jsonl" 2> "$OUT/sweep.err"
@@ -112,6 +115,18 @@ case $PHASE in
     timeout 100 python3 scripts/pinned_check.py $M/8b-gqa.gguf --tokens 20000 > "$OUT/pinned-check-8b.json" \
       2> "$OUT/pinned-check-8b.err"; cat "$OUT/pinned-check-8b.json"; tail -3 "$OUT/pinned-check-8b.err"
     echo "pinned check at $(( $(date +%s) - t0 )) s"
+    ;;
+  images)  # an image's first use and its next from the disk cache, a projector of SmolVLM's encoder size (#36)
+    [ -f $B/libmtmd.so ] || cmake --build /tmp/lcgpu/build -j "$(nproc)" --target mtmd > "$OUT/build-mtmd.log" 2>&1 \
+      || { tail -20 "$OUT/build-mtmd.log"; exit 1; }
+    echo "libmtmd at $(( $(date +%s) - t0 )) s"
+    timeout 200 python3 scripts/image_cost.py $M/8b-gqa.gguf --profile h200 --gpu-layers -1 --repeat ${REPEAT:-7} \
+      > "$OUT/image-cost-8b.json" 2> "$OUT/image-cost-8b.err"; head -12 "$OUT/image-cost-8b.json"; tail -3 "$OUT/image-cost-8b.err"
+    echo "images at $(( $(date +%s) - t0 )) s"
+    ;;
+  mrope)  # Qwen-VL's M-RoPE placement on the card: the engine against libmtmd's own evaluation (#36)
+    timeout 120 python3 scripts/mrope_check.py .gpu/vocab-smollm2.gguf --gpu-layers -1 | tee "$OUT/mrope-check.jsonl"
+    echo "mrope at $(( $(date +%s) - t0 )) s"
     ;;
   split)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the x2 machine's rule

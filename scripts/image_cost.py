@@ -20,17 +20,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
-
 from localchat import runtime  # noqa: E402
 from localchat.chat import attaching  # noqa: E402
+from localchat.machine.models import model_info  # noqa: E402
 from tests.mmproj import make_projector  # noqa: E402
 
 SMOLVLM_ENCODER = {"embd": 768, "layers": 12, "heads": 12, "ff": 3072, "image_size": 512, "patch": 16, "scale": 4}
 
 
 def _photo(path: Path, seed: int) -> Path:
+    # imported after libllama: on the H200 machine's CUDA build, numpy and Pillow loaded first made the model's
+    # load crash (as the chat does it: Pillow only once an image is attached)
+    import numpy as np
+    from PIL import Image
+
     rng = np.random.default_rng(seed)
     Image.fromarray(rng.integers(0, 255, (960, 1280, 3), dtype=np.uint8)).save(path, quality=90)
     return path
@@ -64,11 +67,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         (folder / Path(a.model).name).symlink_to(Path(a.model).resolve())
-        projector = make_projector(folder / "mmproj-smolvlm-encoder.gguf", **SMOLVLM_ENCODER)
+        n_embd_text = model_info(a.model).n_embd  # the projection meets the text model's width (576 demo, 4096 8B)
+        projector = make_projector(folder / "mmproj-smolvlm-encoder.gguf", n_embd_text=n_embd_text, **SMOLVLM_ENCODER)
         overrides = {"model": str(folder / Path(a.model).name), "temperature": 0.0, "max_tokens": 8,
                      "speculate": "off", **({"n_gpu_layers": a.gpu_layers} if a.gpu_layers is not None else {})}
         rounds = []
         with runtime.open_runtime(runtime.load_profile(a.profile, overrides), lambda t: None) as rt:
+            rt.engine.media.directory = folder / "images"  # where a chat with its prefix store keeps encodings
+            rt.engine.media.directory.mkdir()
             for i in range(a.repeat):
                 rounds.append(_round(rt, _photo(folder / f"photo{i}.jpg", i)))
         keys = ("first_attach_s", "cached_attach_s", "turn_ttft_s")

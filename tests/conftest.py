@@ -32,6 +32,16 @@ def tools_model(demo_path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen_dir(demo_path, tmp_path_factory) -> Path:
+    """A random-weight Qwen2-VL text model (M-RoPE) with its qwen2vl_merger projector beside it."""
+    from tests.qwen2vl import make_projector, make_text_model
+    d = tmp_path_factory.mktemp("qwen2vl")
+    make_text_model(d / "qwen2vl-tiny.gguf", demo_path)
+    make_projector(d / "mmproj-qwen2vl-tiny-f32.gguf")
+    return d
+
+
+@pytest.fixture(scope="session")
 def gemma_path() -> Path:
     return ensure_builtin("gemma-270m", _report)
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-GGUF_UINT32, GGUF_FLOAT32, GGUF_BOOL, GGUF_STRING, GGUF_ARRAY, GGUF_UINT64 = 4, 6, 7, 8, 9, 10
+GGUF_UINT32, GGUF_INT32, GGUF_FLOAT32, GGUF_BOOL, GGUF_STRING, GGUF_ARRAY, GGUF_UINT64 = 4, 5, 6, 7, 8, 9, 10
 GGML_F32, GGML_F16 = 0, 1
 ALIGN = 32
 
@@ -36,14 +36,20 @@ def _kv(key: str, v, u64: bool = False) -> bytes:
         return out + struct.pack("<I", GGUF_STRING) + _str(v)
     if isinstance(v, list) and all(isinstance(x, float) for x in v):
         return out + struct.pack("<IIQ", GGUF_ARRAY, GGUF_FLOAT32, len(v)) + struct.pack(f"<{len(v)}f", *v)
+    if isinstance(v, list) and all(isinstance(x, int) for x in v):
+        return out + struct.pack("<IIQ", GGUF_ARRAY, GGUF_INT32, len(v)) + struct.pack(f"<{len(v)}i", *v)
     raise TypeError((key, v))
 
 
-def write_gguf(path: str, kv: dict, tensors: list[tuple[str, np.ndarray]], u64_keys: frozenset = frozenset()) -> int:
-    """tensors: (name, array) with numpy shape in row-major order; GGUF/ggml ne = reversed(shape)."""
-    head = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv)))
+def write_gguf(path: str, kv: dict, tensors: list[tuple[str, np.ndarray]], u64_keys: frozenset = frozenset(),
+               raw_kv: tuple[bytes, ...] = ()) -> int:
+    """tensors: (name, array) with numpy shape in row-major order; GGUF/ggml ne = reversed(shape). `raw_kv`:
+    metadata entries as another file holds them (a vocabulary)."""
+    head = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv) + len(raw_kv)))
     for k, v in kv.items():
         head += _kv(k, v, k in u64_keys)
+    for entry in raw_kv:
+        head += entry
     blobs, off = [], 0
     for name, a in tensors:
         t = GGML_F16 if a.dtype == np.float16 else GGML_F32

@@ -96,14 +96,15 @@ def test_undo_and_retry_keep_the_image_and_encode_nothing(vision_model, tmp_path
     assert replies[0] == replies[1]  # the image came back with the words: the same prompt, the same reply
 
 
-def _last_logits(engine) -> np.ndarray:
+def last_logits(engine) -> np.ndarray:
     import llama_cpp as lc
     n_vocab = lc.llama_vocab_n_tokens(engine.vocab)
     return np.ctypeslib.as_array(lc.llama_get_logits_ith(engine.ctx, -1), shape=(n_vocab,)).copy()
 
 
-def _libmtmd_logits(engine, projector, pre: list[int], photo: Path, post: list[int]) -> np.ndarray:
-    """The same prompt evaluated by libmtmd's own helper: its chunks encoded and decoded inside libmtmd."""
+def libmtmd_logits(engine, projector, pre: list[int], photo: Path, post: list[int]) -> tuple[np.ndarray, int]:
+    """The same prompt evaluated by libmtmd's own helper (its chunks encoded and decoded inside libmtmd), the
+    text after the image at the position libmtmd returns; and the KV's last position."""
     import llama_cpp as lc
     import llama_cpp.mtmd_cpp as M
     engine.clear()
@@ -115,37 +116,56 @@ def _libmtmd_logits(engine, projector, pre: list[int], photo: Path, post: list[i
     marker = M.mtmd_default_marker()
     text = M.mtmd_input_text(marker, len(marker), False, True)
     assert M.mtmd_tokenize(projector.ctx, chunks, ctypes.byref(text), (M.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
-    n_past = lc.llama_pos(0)
-    assert M.mtmd_helper_eval_chunks(projector.ctx, engine.ctx, chunks, len(pre), 0, 512, False,
+    n_past, n_batch = lc.llama_pos(0), engine.config.n_batch
+    assert M.mtmd_helper_eval_chunks(projector.ctx, engine.ctx, chunks, len(pre), 0, n_batch, False,
                                      ctypes.byref(n_past)) == 0
-    tokens = (lc.llama_token * len(post))(*post)
-    assert lc.llama_decode(engine.ctx, lc.llama_batch_get_one(tokens, len(post))) == 0  # positions follow the KV's
+    batch = lc.llama_batch_init(len(post), 0, 1)
+    for at in range(0, len(post), n_batch):
+        part = post[at:at + n_batch]
+        for i, t in enumerate(part):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = \
+                t, n_past.value + at + i, 1, 0, at + i == len(post) - 1
+        batch.n_tokens = len(part)
+        assert lc.llama_decode(engine.ctx, batch) == 0
+    lc.llama_batch_free(batch)
     M.mtmd_input_chunks_free(chunks)
     M.mtmd_bitmap_free(bitmap)
-    logits = _last_logits(engine)
+    logits, last = last_logits(engine), lc.llama_memory_seq_pos_max(engine.mem, 0)
     engine.clear()
-    return logits
+    return logits, last
 
 
-def test_the_engine_evaluates_an_image_as_libmtmd_does(vision_dir, demo_path, tmp_path):
+def ours_and_libmtmds(model: Path, projector_path: Path, photo: Path, n_batch: int, gpu_layers: int = 0) -> dict:
+    """The picture between a question's words evaluated by the engine and by libmtmd's own helper: both last
+    logits and KV positions, the image's tokens (tests/test_mrope.py; scripts/mrope_check.py on a card)."""
+    import llama_cpp as lc
+
+    from localchat.engine import Engine, EngineConfig
     from localchat.engine.vision import Projector
-    photo = picture(tmp_path / "photo.png", 120, 90, seed=3)
-    engine = make_engine(demo_path, n_threads=THREADS)
-    projector = Projector(vision_dir / "mmproj-demo-f16.gguf", engine, "demo")
+    engine = Engine(EngineConfig(str(model), n_ctx=2048, n_batch=n_batch, n_ubatch=n_batch, n_threads=THREADS,
+                                 n_gpu_layers=gpu_layers))
+    projector = Projector(projector_path, engine, model.name)
     try:
         rgb = Image.open(photo).convert("RGB")
         it = projector.encode(rgb.tobytes(), rgb.width, rgb.height, "sha-of-the-test-photo")
         pre = engine.tokenize("<|im_start|>user\nWhat is this? ", special=True)
         post = engine.tokenize("<|im_end|>\n<|im_start|>assistant\n", special=True)
         engine.prefill(pre + it.tokens + post)
-        ours = _last_logits(engine)
-        theirs = _libmtmd_logits(engine, projector, pre, photo, post)
+        ours, our_last = last_logits(engine), lc.llama_memory_seq_pos_max(engine.mem, 0)
+        theirs, their_last = libmtmd_logits(engine, projector, pre, photo, post)
     finally:
         projector.close()
         engine.close()
-    assert it.image_tokens == IMAGE_TOKENS and np.isfinite(ours).all()
-    assert int(np.argmax(ours)) == int(np.argmax(theirs))
-    assert np.max(np.abs(ours - theirs)) < 1e-3
+    return {"ours": ours, "theirs": theirs, "our_last": our_last, "their_last": their_last, "image": it,
+            "tokens": len(pre + it.tokens + post)}
+
+
+def test_the_engine_evaluates_an_image_as_libmtmd_does(vision_dir, demo_path, tmp_path):
+    r = ours_and_libmtmds(demo_path, vision_dir / "mmproj-demo-f16.gguf", picture(tmp_path / "photo.png", 120, 90, seed=3),
+                          512)
+    assert r["image"].image_tokens == IMAGE_TOKENS and np.isfinite(r["ours"]).all()
+    assert int(np.argmax(r["ours"])) == int(np.argmax(r["theirs"]))
+    assert np.max(np.abs(r["ours"] - r["theirs"])) < 1e-3
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
@@ -189,6 +209,17 @@ def test_a_text_only_model_or_another_models_projector_is_one_line(demo_path, vi
     r, _ = chat(demo_path, tmp_path, "other", "Hello\n", "--mmproj", str(other))
     assert r.returncode == 2 and "is not a vision projector for" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_build_without_libmtmd_chats_and_says_why_it_reads_no_images(vision_model, tmp_path):
+    """llama-cpp-python built with LLAVA_BUILD off has no libmtmd (here: its path points at an empty folder)."""
+    env = {"MTMD_CPP_LIB": str(tmp_path)}
+    r = run_cli([*ARGS, "--model", str(vision_model), "--no-session"], stdin="Hello\n", env=env)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    assert "built without libmtmd" in r.stderr and "Traceback" not in r.stderr
+    named = run_cli([*ARGS, "--model", str(vision_model), "--mmproj", str(vision_model.parent / "mmproj-demo-f16.gguf"),
+                     "--no-session"], stdin="Hello\n", env=env)
+    assert named.returncode == 2 and len(named.stderr.strip().splitlines()) == 1, named.stderr
 
 
 def test_a_damaged_projector_is_one_line_not_a_crash(demo_path, vision_dir, tmp_path):
@@ -347,12 +378,12 @@ def test_image_runs_evaluate_alike_whatever_the_batches_and_a_repeated_image_is_
         try:
             prompt = pre + a + a + b + post  # the same image twice, side by side: two runs, not one of 24 rows
             engine.prefill(prompt)
-            results.append(_last_logits(engine))
+            results.append(last_logits(engine))
             assert engine.tokens == prompt and engine.n_kv == len(prompt)
             engine.truncate(len(pre) + 18)  # undo to the middle of the second copy
             again = engine.prefill(prompt)
             assert again.cached == len(pre) + 12  # back to the run's start: a run is kept or dropped whole
-            assert np.allclose(_last_logits(engine), results[-1], atol=1e-3)
+            assert np.allclose(last_logits(engine), results[-1], atol=1e-3)
         finally:
             engine.close()
     assert int(np.argmax(results[0])) == int(np.argmax(results[1]))

@@ -18,6 +18,7 @@ from localchat.engine.grammar import grammar_sampler
 from localchat.engine.loadlog import LOAD_LOG, explain
 from localchat.engine.media import Embedding, MediaTable, run_of
 from localchat.engine.pinned import Staging
+from localchat.engine.positions import Positions
 from localchat.engine.sampling import drawer, finite_logits, make_sampler
 from localchat.engine.speculative import Speculation, verify
 from localchat.engine.stepcost import StepCost
@@ -55,6 +56,7 @@ class Engine(VocabText):
         self.n_ctx = lc.llama_n_ctx(self.ctx)
         self.n_swa = lc.llama_model_n_swa(self.model)
         self.can_shift = bool(lc.llama_memory_can_shift(self.mem))
+        self.mrope = lc.llama_model_rope_type(self.model) in (lc.LLAMA_ROPE_TYPE_MROPE, lc.LLAMA_ROPE_TYPE_IMROPE)
         self._batch = lc.llama_batch_init(config.n_batch, 0, 1)
         for i in range(config.n_batch):  # every token belongs to the one sequence
             self._batch.n_seq_id[i] = 1
@@ -77,7 +79,11 @@ class Engine(VocabText):
         self._piece_buf = ctypes.create_string_buffer(256)
         self.media = MediaTable()  # the embeddings behind the identity tokens of images (engine.media)
         self.media.n_embd = lc.llama_model_n_embd_inp(self.model)
+        self.media.mrope = self.mrope  # an encoding cached for a model of the other placement is not taken
         self._embd_batch: lc.llama_batch | None = None  # made with the first image evaluated
+        self.positions = Positions()  # where M-RoPE images (Qwen-VL) place the tokens after them
+        self._mrope_pos: ctypes.Array | None = None  # an image batch's positions, four sections a row
+        self._embd_own_pos = 0  # the address of the image batch's own positions array
         # state copies through pinned memory: llama.cpp copies a state through the caller's buffer
         self.staging = Staging(config.pinned_bytes) if config.pinned_bytes and self.overlaps else None
 
@@ -91,19 +97,30 @@ class Engine(VocabText):
         if n >= self.n_kv or n == 0 or self.n_swa == 0 or self.config.swa_full:
             return True
         # positions the window still needs for a token at n must all be held
-        return self.pos_min() <= max(0, n - self.n_swa)
+        return self.pos_min() <= max(0, self.positions.at(n) - self.n_swa)
 
     def _truncate_kv(self, n: int) -> bool:
         """Drop KV beyond n tokens; on an unsafe sliding-window rewind drop all. True if kept."""
         if n >= self.n_kv:
             return True
         self.logits_end = -1
-        if self.can_rewind_to(n) and lc.llama_memory_seq_rm(self.mem, SEQ, n, -1):
+        if self.can_rewind_to(n) and self.forget_from(n):
             self.n_kv = n
             return True
-        lc.llama_memory_clear(self.mem, True)
+        self._clear_kv()
         self.n_kv = 0
         return False
+
+    def forget_from(self, n: int) -> bool:
+        """Drop the KV from the history's token n on (never inside an image's run), at its position; the
+        caller checks the sliding window and sets n_kv."""
+        done = bool(lc.llama_memory_seq_rm(self.mem, SEQ, self.positions.at(n), -1))
+        self.positions.forget_from(n)
+        return done
+
+    def _clear_kv(self) -> None:
+        lc.llama_memory_clear(self.mem, True)
+        self.positions.clear()
 
     def truncate(self, n: int) -> None:
         """Cut the history back to its first n tokens (undo, stop strings)."""
@@ -111,7 +128,7 @@ class Engine(VocabText):
         self._truncate_kv(n)
 
     def clear(self) -> None:
-        lc.llama_memory_clear(self.mem, True)
+        self._clear_kv()
         self.tokens, self.n_kv, self.logits_end = [], 0, -1
 
     def shift_out(self, start: int, count: int) -> None:
@@ -121,6 +138,8 @@ class Engine(VocabText):
         end = start + count
         if end > self.n_kv:
             raise ValueError("shift beyond the evaluated KV")
+        if self.positions.ends:  # M-RoPE: llama.cpp has no shift for it (can_shift is false), and aborts
+            raise ModelError("this model's KV cache cannot shift positions; use overflow: rebuild")
         lc.llama_memory_seq_rm(self.mem, SEQ, start, end)
         lc.llama_memory_seq_add(self.mem, SEQ, end, -1, -count)
         del self.tokens[start:end]
@@ -149,7 +168,8 @@ class Engine(VocabText):
         n = len(tokens)
         # whole-slice stores run in C: element by element costs ~0.2 ms per 150 tokens in Python
         self._batch_tokens[:n] = tokens  # type: ignore[assignment]  # ctypes takes a list of ints
-        self._batch_pos[:n] = range(start_pos, start_pos + n)  # type: ignore[call-overload]  # and a range
+        first = self.positions.at(start_pos)
+        self._batch_pos[:n] = range(first, first + n)  # type: ignore[call-overload]  # and a range
         ctypes.memset(b.logits, int(all_logits), n)
         if want_logits:
             b.logits[real - 1] = 1
@@ -158,7 +178,7 @@ class Engine(VocabText):
         rc = lc.llama_decode(self.ctx, b)
         if rc != 0:
             raise ModelError(f"llama_decode failed (code {rc}): the KV cache is full or out of memory")
-        if pad and not lc.llama_memory_seq_rm(self.mem, SEQ, start_pos + real, -1):
+        if pad and not lc.llama_memory_seq_rm(self.mem, SEQ, first + real, -1):
             raise ModelError("llama.cpp could not drop a batch's padding from the KV")
         self.padded += pad
 
@@ -184,6 +204,8 @@ class Engine(VocabText):
         emb = self.media.get(chunk)
         if first + len(run) > emb.n:
             raise ModelError("an image's tokens run past its embeddings: the session's tokens are damaged")
+        if bool(emb.nx) != self.mrope or (emb.nx and first):  # the media table takes only this model's placement
+            raise ModelError("an image's tokens are not placed as this model places them: the session is damaged")
         ubatch = min(self.config.n_ubatch, self.config.n_batch)
         if emb.non_causal and len(run) > ubatch:
             raise DocumentError(f"an image of {len(run)} positions that see each other is evaluated in one batch: "
@@ -192,25 +214,48 @@ class Engine(VocabText):
         for at in range(0, len(run), step):
             n = min(step, len(run) - at)
             self._decode_rows(emb, first + at, n, start_pos + at, want_logits and at + n == len(run))
+        if emb.nx and first + len(run) == emb.n:  # the chunk's n_pos positions, not its rows, are taken
+            self.positions.record(start_pos - first, start_pos + len(run), emb.n_pos)
 
     def _decode_rows(self, emb: Embedding, row: int, n: int, start_pos: int, want_logits: bool) -> None:
         width = self.media.n_embd * 4
         if self._embd_batch is None:
             self._embd_batch = lc.llama_batch_init(self.config.n_batch, self.media.n_embd, 1)
+            # the field read back aliases the struct: its own array's address is kept, for llama_batch_free
+            self._embd_own_pos = ctypes.cast(self._embd_batch.pos, ctypes.c_void_p).value or 0
         batch = self._embd_batch
         ctypes.memmove(batch.embd, emb.data[row * width:(row + n) * width], n * width)
+        first = self.positions.at(start_pos - row)  # the chunk's first position (M-RoPE: every row's time)
         for i in range(n):
-            batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = start_pos + i, 1, SEQ, 0
+            batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = first + row + i, 1, SEQ, 0
         batch.logits[n - 1] = int(want_logits)
         batch.n_tokens = n
         self.logits_end = start_pos + n if want_logits else -1
+        if emb.nx:
+            batch.pos = self._grid_positions(first, emb.nx, row, n)
         if emb.non_causal:
             lc.llama_set_causal_attn(self.ctx, False)
-        rc = lc.llama_decode(self.ctx, batch)
-        if emb.non_causal:
-            lc.llama_set_causal_attn(self.ctx, True)
+        try:
+            rc = lc.llama_decode(self.ctx, batch)
+        finally:  # a Ctrl-C raised as the call returns must not leave our array for llama_batch_free to free
+            batch.pos = ctypes.cast(self._embd_own_pos, ctypes.POINTER(lc.llama_pos))
+            if emb.non_causal:
+                lc.llama_set_causal_attn(self.ctx, True)
         if rc != 0:
             raise ModelError(f"llama_decode failed on an image (code {rc}): the KV cache is full or out of memory")
+
+    def _grid_positions(self, first: int, nx: int, row: int, n: int) -> ctypes._Pointer:
+        """Rows [row, row + n) of an M-RoPE chunk at `first`, as libmtmd places them: four sections of n
+        (time, grid row, grid column, unused)."""
+        if self._mrope_pos is None:
+            self._mrope_pos = (lc.llama_pos * (4 * self.config.n_batch))()
+        pos = self._mrope_pos
+        rows = range(row, row + n)
+        pos[0:n] = [first] * n
+        pos[n:2 * n] = [first + i // nx for i in rows]
+        pos[2 * n:3 * n] = [first + i % nx for i in rows]
+        pos[3 * n:4 * n] = [0] * n
+        return ctypes.cast(pos, ctypes.POINTER(lc.llama_pos))
 
     def run_start(self, tokens: list[int], n: int) -> int:
         """`n`, or the start of the image run that a cut after n tokens would leave in part: a run is evaluated
@@ -410,7 +455,7 @@ class Engine(VocabText):
         if started:
             self.synchronize()  # the evaluation begun for the last token ends before anyone touches the KV
         if self.n_kv > len(self.tokens):  # stopped with kept draft tokens not handed out: not in the reply
-            lc.llama_memory_seq_rm(self.mem, SEQ, len(self.tokens), -1)
+            self.forget_from(len(self.tokens))
             self.n_kv = len(self.tokens)
 
     def _step(self, tok: int, draw: Callable[[int], int], spec: Speculation | None, room: int,
@@ -462,7 +507,7 @@ class Engine(VocabText):
 
     def load_state(self, data: bytes | bytearray | memoryview, tokens: list[int]) -> bool:
         """Restore a KV copied by state_bytes; the caller has verified it belongs here."""
-        lc.llama_memory_clear(self.mem, True)
+        self._clear_kv()
         self.tokens, self.n_kv, self.logits_end = [], 0, -1
         view = memoryview(data)
         if self.staging is not None and self.staging.owns(view):
@@ -471,12 +516,33 @@ class Engine(VocabText):
             buf = (ctypes.c_uint8 * len(view)).from_buffer(view) if not view.readonly else \
                 (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
         if lc.llama_state_seq_set_data(self.ctx, buf, len(view), SEQ) == 0:
-            lc.llama_memory_clear(self.mem, True)
+            self._clear_kv()
             return False
-        if lc.llama_memory_seq_pos_max(self.mem, SEQ) != len(tokens) - 1:
-            lc.llama_memory_clear(self.mem, True)
+        placed = self._positions_from(tokens)
+        if not placed or lc.llama_memory_seq_pos_max(self.mem, SEQ) != self.positions.at(len(tokens) - 1):
+            self._clear_kv()
             return False
         self.tokens, self.n_kv = list(tokens), len(tokens)
+        return True
+
+    def _positions_from(self, tokens: list[int]) -> bool:
+        """The M-RoPE chunks among a loaded state's tokens, placed as when they were evaluated; False where a
+        chunk's embeddings (which say its placement) are neither in memory nor in the disk cache."""
+        if not self.mrope or not tokens or min(tokens) >= 0:
+            return True
+        at = 0
+        while at < len(tokens):
+            end = _segment_end(tokens, at)
+            if tokens[at] < 0:
+                try:
+                    emb = self.media.get(run_of(tokens[at])[0])
+                except DocumentError:
+                    return False
+                if emb.nx and end - at != emb.n:  # a chunk in part: not a state this engine saved
+                    return False
+                if emb.nx:
+                    self.positions.record(at, end, emb.n_pos)
+            at = end
         return True
 
     def close(self) -> None:

@@ -53,11 +53,21 @@ def image_key(run: int) -> int:
 @dataclass(frozen=True)
 class Embedding:
     """One image chunk's embeddings: n rows of n_embd float32, and whether its positions see each other
-    (a non-causal chunk, as Gemma 3's images, is evaluated in one batch with causal attention off)."""
+    (a non-causal chunk, as Gemma 3's images, is evaluated in one batch with causal attention off).
+    Placed by M-RoPE (nx > 0): row i at the chunk's first position in time, at grid row i // nx and column
+    i % nx, the chunk taking n_pos positions."""
 
     data: bytes
     n: int
     non_causal: bool
+    nx: int = 0
+    n_pos: int = 0
+
+
+def placed(n: int, nx: int, n_pos: int) -> bool:
+    """Whether a chunk's placement holds together: one position a row, or an M-RoPE grid of n rows nx wide
+    taking its longer side's positions (libmtmd's rule)."""
+    return nx == n_pos == 0 or (0 < nx <= n and n % nx == 0 and n_pos == max(nx, n // nx))
 
 
 def cache_file(directory: Path, key: int) -> Path:
@@ -70,7 +80,7 @@ def save(path: Path, layout: list[dict], embeddings: dict[int, Embedding], about
     (JSON, with each run's offset and the CRC-32 of the payload), then the float32 rows."""
     parts, at, runs = [], 0, {}
     for run, emb in embeddings.items():
-        runs[str(run)] = {"offset": at, "n": emb.n, "non_causal": emb.non_causal}
+        runs[str(run)] = {"offset": at, "n": emb.n, "non_causal": emb.non_causal, "nx": emb.nx, "n_pos": emb.n_pos}
         parts.append(emb.data)
         at += len(emb.data)
     crc = 0
@@ -99,10 +109,10 @@ def load(path: Path) -> tuple[dict, dict[int, Embedding]] | None:
         width = int(header["n_embd"]) * 4
         runs = {}
         for key, v in header["runs"].items():
-            at, n = int(v["offset"]), int(v["n"])
-            if at < 0 or n <= 0 or at + n * width > len(payload):
+            at, n, nx, n_pos = int(v["offset"]), int(v["n"]), int(v.get("nx", 0)), int(v.get("n_pos", 0))
+            if at < 0 or n <= 0 or at + n * width > len(payload) or not placed(n, nx, n_pos):
                 return None
-            runs[int(key)] = Embedding(bytes(payload[at:at + n * width]), n, bool(v["non_causal"]))
+            runs[int(key)] = Embedding(bytes(payload[at:at + n * width]), n, bool(v["non_causal"]), nx, n_pos)
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     return header, runs
@@ -116,11 +126,17 @@ class MediaTable:
         self.runs: dict[int, Embedding] = {}
         self.directory: Path | None = None  # the disk cache (set by the runtime)
         self.n_embd = 0
+        self.mrope = False  # whether the model places image rows by M-RoPE: the cache's runs must say so too
         # encodes an image again from its file, by its key: "" when it did, else what the error says of it
         self.refill: Callable[[int], str] = lambda key: ""
 
     def add(self, embeddings: dict[int, Embedding]) -> None:
         self.runs.update(embeddings)
+
+    def places(self, embeddings: dict[int, Embedding]) -> bool:
+        """Whether cached runs are placed as this model places them (the same projector serves an M-RoPE model
+        and another of its width alike, and one image cache serves both)."""
+        return all(bool(e.nx) == self.mrope for e in embeddings.values())
 
     def length(self, run: int) -> int:
         """The rows of a run known in memory (0: not known here)."""
@@ -131,7 +147,7 @@ class MediaTable:
         emb = self.runs.get(run)
         if emb is None and self.directory is not None:
             found = load(cache_file(self.directory, image_key(run)))
-            if found is not None and found[0].get("n_embd") == self.n_embd:
+            if found is not None and found[0].get("n_embd") == self.n_embd and self.places(found[1]):
                 self.runs.update(found[1])
                 emb = self.runs.get(run)
         if emb is None:

@@ -16,9 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-import llama_cpp as lc
-
-from localchat.engine.backend import SEQ
 from localchat.engine.stepcost import StepCost
 
 NGRAM_SIZES = (4, 3, 2)  # the longest match wins; shorter ones draft more often, less well
@@ -237,7 +234,7 @@ def verify(engine, draw: Callable[[int], int], token: int, draft: list[int], spe
         if i == len(draft) or tok != draft[i] or engine.is_eog(tok):
             break
     kept = len(drawn) - 1
-    lc.llama_memory_seq_rm(engine.mem, SEQ, engine.n_kv + 1 + kept, -1)
+    engine.forget_from(engine.n_kv + 1 + kept)
     engine.n_kv += 1 + kept
     spec.record_draft(len(drawn), len(draft))
     return drawn

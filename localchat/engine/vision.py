@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp as lc
-import llama_cpp.mtmd_cpp as M
+
+try:
+    import llama_cpp.mtmd_cpp as M
+except (OSError, RuntimeError):  # a llama-cpp-python without a loadable libmtmd chats; only images need it
+    M = None  # type: ignore[assignment]
 
 from localchat.engine import media
 from localchat.engine.backend import log_callback
@@ -50,6 +54,9 @@ class Projector:
 
     def __init__(self, path: Path, engine: Engine, model_name: str):
         self.path, self.engine, self.name = path, engine, path.name
+        if M is None:
+            raise ModelError(f"{path.name} cannot be used: this llama-cpp-python was built without libmtmd "
+                             "(LLAVA_BUILD off), which images need")
         M.mtmd_log_set(log_callback(), None)
         M.mtmd_helper_log_set(log_callback(), None)
         params = M.mtmd_context_params_default()
@@ -64,10 +71,7 @@ class Projector:
         if not M.mtmd_support_vision(self.ctx):
             self.close()
             raise ModelError(f"{path.name} has no vision encoder (an audio projector?); images need a vision one")
-        if M.mtmd_decode_use_mrope(self.ctx):
-            self.close()
-            raise ModelError(f"{path.name} places images by M-RoPE positions (Qwen-VL), which localchat does not "
-                             "support yet")
+        self.mrope = bool(M.mtmd_decode_use_mrope(self.ctx))  # libmtmd's placement, from the text model
         self.fingerprint = fingerprint(path)
         self.n_vocab = lc.llama_vocab_n_tokens(engine.vocab)
 
@@ -84,7 +88,8 @@ class Projector:
             return None
         header, runs = found
         about = (header.get("format"), header.get("projector"), header.get("image"), header.get("n_embd"))
-        if about != (LAYOUT_FORMAT, self.fingerprint, image_sha256, self.engine.media.n_embd):
+        if about != (LAYOUT_FORMAT, self.fingerprint, image_sha256, self.engine.media.n_embd) or \
+                not self.engine.media.places(runs):  # encoded beside a model of the other placement: again
             return None
         try:
             tokens = _layout_tokens(header["layout"], runs, self.n_vocab)
@@ -158,7 +163,15 @@ class Projector:
             raise DocumentError(f"the projector {self.name} failed to encode the image")
         size = n * self.engine.media.n_embd * 4
         data = ctypes.string_at(M.mtmd_get_output_embd(self.ctx), size)
-        return Embedding(data, n, bool(M.mtmd_decode_use_non_causal(self.ctx, chunk)))
+        non_causal = bool(M.mtmd_decode_use_non_causal(self.ctx, chunk))
+        if not self.mrope:
+            return Embedding(data, n, non_causal)
+        image = M.mtmd_input_chunk_get_tokens_image(chunk)
+        nx, ny = M.mtmd_image_tokens_get_nx(image), M.mtmd_image_tokens_get_ny(image)
+        n_pos = M.mtmd_input_chunk_get_n_pos(chunk)
+        if nx * ny != n or not media.placed(n, nx, n_pos):  # a grid of nx x ny rows, as Qwen-VL's
+            raise DocumentError(f"the projector {self.name} laid the image out in a grid localchat cannot place")
+        return Embedding(data, n, non_causal, nx, n_pos)
 
     def close(self) -> None:
         if getattr(self, "ctx", None):

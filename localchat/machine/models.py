@@ -63,6 +63,7 @@ class ModelInfo:
     pooling: int = 0  # {arch}.pooling_type: an embedding model pools its tokens into one vector
     projector: Path | None = None  # the vision projector loaded beside it, checked (runtime.with_projector)
     projector_bytes: int = 0  # its weights and encoder (planned on the first device)
+    projector_kind: str = ""  # its clip.projector_type (gemma3, qwen2vl_merger, ...)
 
     @property
     def embeds_only(self) -> bool:

@@ -15,6 +15,10 @@ U32, I32, F32, BOOL, STRING, ARRAY = 4, 5, 6, 7, 8, 9
 WANTED_TYPES = {U32: "uint32", I32: "int32", F32: "float32", BOOL: "bool", STRING: "string", ARRAY: "array"}
 MAX_BLOCKS = 1024
 FIXED_SIZE = ("gemma3", "idefics3")  # projector types whose images are resized to image_size, in patches
+QWEN_VL = ("qwen2vl_merger", "qwen2.5vl_merger")  # any image size, 2x2 patches merged, placed by M-RoPE
+UNTESTED_M_ROPE = ("qwen3vl_merger", "qwen2.5o")  # refused by name: their graphs' rules differ from Qwen2-VL's
+QWEN_MAX_TOKENS = 4096  # clip.cpp's limit of a Qwen-VL image's tokens (each of 2x2 patches)
+QWEN_MAX_PATCH = 56  # Qwen2.5-VL's window of 112 pixels holds no merged patch past this: clip.cpp loops forever
 SHARED_START = 6  # characters two names share at their start to be taken as one model's files
 ENCODER_FIXED = 8 << 20  # clip.cpp's graph and input staging beside the activations
 REQUIRED = ("clip.vision.image_size", "clip.vision.patch_size", "clip.vision.embedding_length",
@@ -72,6 +76,9 @@ def projector_info(path: Path) -> ProjectorInfo:
     for key in (*REQUIRED, "clip.projector_type"):
         if key not in g.metadata:
             raise ModelError(f"{name} lacks {key}: it is damaged or was written by an unknown converter")
+    if g.get("clip.projector_type") in UNTESTED_M_ROPE:
+        raise ModelError(f"{name} is a {g.get('clip.projector_type')} projector (Qwen3-VL, Qwen2.5-Omni), whose M-RoPE "
+                         "placement localchat is not yet tested with; Qwen2-VL's and Qwen2.5-VL's are")
     for key, vtype in g.value_types.items():
         wanted = _wanted(key)
         if wanted is not None and vtype != wanted:
@@ -101,7 +108,9 @@ def _shape_problem(g: GGUFInfo) -> str:
         return f"clip.vision.block_count {blocks} is past any encoder's (at most {MAX_BLOCKS})"
     shapes = {t.name: t.shape for t in g.tensors}
     side = size // patch if patch > 0 else 0
-    wanted = {"v.patch_embd.weight": (patch, patch, 3, embd), "v.position_embd.weight": (embd, side * side)}
+    wanted: dict[str, tuple[int, ...]] = {"v.patch_embd.weight": (patch, patch, 3, embd)}
+    if str(g.get("clip.projector_type")) not in QWEN_VL:  # Qwen-VL's graph reads none (old files hold a dummy)
+        wanted["v.position_embd.weight"] = (embd, side * side)
     for i in range(blocks):
         wanted.update({f"v.blk.{i}.attn_{w}.weight": (embd, embd) for w in ("q", "k", "v", "out")})
         wanted.update({f"v.blk.{i}.{n}.weight": (embd,) for n in ("ln1", "ln2")})
@@ -113,12 +122,80 @@ def _shape_problem(g: GGUFInfo) -> str:
     for tensor, shape in wanted.items():
         if tensor in shapes and tuple(shapes[tensor]) != shape:
             return f"tensor {tensor} has the shape {list(shapes[tensor])}, its sizes say {list(shape)}"
+    return _qwen_problem(g, shapes) if str(g.get("clip.projector_type")) in QWEN_VL else ""
+
+
+def _qwen_problem(g: GGUFInfo, shapes: dict) -> str:
+    """Qwen-VL's encoder: clip.cpp loads it without these tensors, or with them misshapen, and then crashes at
+    the first image (SIGSEGV on a weight or bias it adds, SIGABRT on shapes that do not multiply), asserts on
+    the sizes its rotary embedding and 2x2 merge take, or loops forever on a patch its windows cannot hold."""
+    embd, heads = int(g.get("clip.vision.embedding_length")), int(g.get("clip.vision.attention.head_count"))
+    windowed = g.get("clip.projector_type") == "qwen2.5vl_merger"
+    problem = _qwen_sizes(g, embd, heads, windowed)
+    if problem:
+        return problem
+    if "v.patch_embd.bias" in shapes:
+        return "it has a patch bias, which its encoder does not take"
+    if len(shapes.get("mm.2.bias", ())) != 1:
+        return "its output width (tensor mm.2.bias) is missing"
+    out = shapes["mm.2.bias"][0]
+    if windowed and int(g.get("clip.vision.projection_dim", 0) or 0) != out:
+        return f"clip.vision.projection_dim is not its output width {out} (mm.2)"
+    required, optional = _qwen_tensors(g, shapes, embd, out, windowed)
+    for tensor, shape in required.items():
+        if tuple(shapes.get(tensor, ())) != shape:
+            found = list(shapes[tensor]) if tensor in shapes else "missing"
+            return f"tensor {tensor} is {found}, its sizes say {list(shape)}"
+    for tensor, shape in optional.items():
+        if tensor in shapes and tuple(shapes[tensor]) != shape:
+            return f"tensor {tensor} is {list(shapes[tensor])}, its sizes say {list(shape)}"
     return ""
+
+
+def _qwen_sizes(g: GGUFInfo, embd: int, heads: int, windowed: bool) -> str:
+    patch = int(g.get("clip.vision.patch_size"))
+    windows = int(g.get("clip.vision.n_wa_pattern", 0) or 0)
+    if (embd // heads) % 4:
+        return f"its heads are {embd // heads} wide, not a multiple of 4 (its rotary embedding's four parts)"
+    if not 0 < patch <= QWEN_MAX_PATCH:
+        return f"clip.vision.patch_size {patch} is past any Qwen-VL encoder's ({QWEN_MAX_PATCH} at most)"
+    if int(g.get("clip.vision.spatial_merge_size", 2) or 0) != 2:
+        return "clip.vision.spatial_merge_size is not 2 (its encoder merges 2x2 patches, whatever the file says)"
+    if windowed and windows <= 0:
+        return "it has no clip.vision.n_wa_pattern (which of its blocks attend to the whole image)"
+    if not windowed and windows > 0:
+        return "it has a window pattern, which only Qwen2.5-VL's encoder reads"
+    return ""
+
+
+def _qwen_tensors(g: GGUFInfo, shapes: dict, embd: int, out: int, windowed: bool) -> tuple[dict, dict]:
+    """The tensors it must have and those it may have, by shape. Files of the first converter (the surgery
+    script) name the feed-forward's up and down the other way round: clip.cpp swaps them back, so does this."""
+    up, down = "ffn_up", "ffn_down"
+    if tuple(shapes.get("v.blk.0.ffn_down.weight", (0,)))[:1] == (embd,):
+        up, down = down, up
+    ffn = tuple(shapes.get(f"v.blk.0.{up}.weight", (embd, 0)))[-1]
+    patch = int(g.get("clip.vision.patch_size"))
+    required: dict[str, tuple[int, ...]] = {
+        "v.patch_embd.weight": (patch, patch, 3, embd), "v.patch_embd.weight.1": (patch, patch, 3, embd),
+        "mm.0.weight": (4 * embd, 4 * embd), "mm.0.bias": (4 * embd,), "mm.2.weight": (4 * embd, out)}
+    optional: dict[str, tuple[int, ...]] = {"v.post_ln.weight": (embd,), "v.post_ln.bias": (embd,)}
+    for i in range(int(g.get("clip.vision.block_count"))):
+        b = f"v.blk.{i}."
+        required.update({b + f"attn_{w}.{kind}": (embd, embd) if kind == "weight" else (embd,)
+                         for w in ("q", "k", "v") for kind in ("weight", "bias")})
+        required.update({b + "attn_out.weight": (embd, embd), b + f"{up}.weight": (embd, ffn),
+                         b + f"{down}.weight": (ffn, embd)})
+        optional.update({b + f"{n}.{kind}": (embd,) for n in ("ln1", "ln2") for kind in ("weight", "bias")})
+        optional.update({b + "attn_out.bias": (embd,), b + f"{up}.bias": (ffn,), b + f"{down}.bias": (embd,),
+                         b + "ffn_gate.weight": (embd, ffn), b + "ffn_gate.bias": (ffn,)})
+    return required, optional
 
 
 def _wanted(key: str) -> int | None:
     """The GGUF type clip.cpp reads a key with, by its name (None: not a scalar it asserts on)."""
     if not key.startswith("clip.") or key.endswith(("image_mean", "image_std", "pinpoints", "feature_layer",
+                                                    "is_deepstack_layers",
                                                     "indexes", "spatial_offsets", "pattern_mode", "codebook_size")):
         return ARRAY if key.endswith(("image_mean", "image_std")) else None
     if "epsilon" in key or key.endswith("swiglu_clamp"):
@@ -135,7 +212,14 @@ def _compute(g: GGUFInfo) -> int:
     the encoder with flash attention where the backend has it: no attention scores held) and a fixed part.
     A SmolVLM-sized encoder (1,024 patches, 768 wide, 3,072 feed-forward): planned 38 MiB, clip.cpp reserved
     21 MiB on the CPU."""
+    kind = str(g.get("clip.projector_type"))
     patches = (int(g.get("clip.vision.image_size")) // max(int(g.get("clip.vision.patch_size")), 1)) ** 2
+    if kind in QWEN_VL:  # images keep their size: the largest it takes
+        patches = 4 * QWEN_MAX_TOKENS
     embd = int(g.get("clip.vision.embedding_length"))
-    ff = int(g.get("clip.vision.feed_forward_length", 0) or 0)
-    return ENCODER_FIXED + 4 * patches * (2 * max(ff, embd) + 2 * embd)
+    # the tensors' width: Qwen2-VL's converter writes the text model's there, the first one 0
+    ff = max((max(t.shape) for t in g.tensors if t.name == "v.blk.0.ffn_up.weight"),
+             default=int(g.get("clip.vision.feed_forward_length", 0) or 0))
+    # Qwen2.5-VL's window mask on the device: patches x patches f32 and its f16 copy for flash attention
+    mask = 6 * patches * patches if kind == "qwen2.5vl_merger" else 0
+    return ENCODER_FIXED + 4 * patches * (2 * max(ff, embd) + 2 * embd) + mask

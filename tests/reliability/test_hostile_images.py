@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,8 @@ from PIL import Image
 
 from tests.conftest import run_cli
 from tests.ggufedit import edit_gguf, edit_tensors
-from tests.mmproj import make_projector
+from tests.mmproj import make_projector, write_gguf
+from tests.qwen2vl import projector_parts
 from tests.reliability.test_hostile_templates import PEAK_BOUND_MB, TIME_BOUND_S, run_measured
 
 
@@ -55,6 +57,60 @@ PROJECTORS = {
 }
 
 
+def _qwen(change: str) -> tuple[str, Callable[[dict, dict], None]]:
+    """A damaged Qwen-VL projector: its type and what is done to its metadata and tensors."""
+    def patch_64(kv: dict, t: dict) -> None:
+        kv["clip.vision.patch_size"] = 64
+        t["v.patch_embd.weight"] = t["v.patch_embd.weight.1"] = np.zeros((32, 3, 64, 64), np.float32)
+    return {
+        "no attention bias": ("qwen2vl_merger", lambda kv, t: t.pop("v.blk.0.attn_q.bias")),
+        "no attention weight": ("qwen2vl_merger", lambda kv, t: t.pop("v.blk.0.attn_q.weight")),
+        "an output width the sizes do not say": ("qwen2.5vl_merger",
+                                                 lambda kv, t: kv.update({"clip.vision.projection_dim": 96})),
+        "patches merged 3x3": ("qwen2vl_merger", lambda kv, t: kv.update({"clip.vision.spatial_merge_size": 3})),
+        "a misshapen norm bias": ("qwen2vl_merger",
+                                  lambda kv, t: t.update({"v.blk.1.ln1.bias": np.zeros(7, np.float32)})),
+        "a patch bias": ("qwen2vl_merger", lambda kv, t: t.update({"v.patch_embd.bias": np.zeros(32, np.float32)})),
+        "heads 2 wide": ("qwen2vl_merger", lambda kv, t: kv.update({"clip.vision.attention.head_count": 16})),
+        "no second patch convolution": ("qwen2vl_merger", lambda kv, t: t.pop("v.patch_embd.weight.1")),
+        "a merger of another width": ("qwen2vl_merger",
+                                      lambda kv, t: t.update({"mm.0.weight": np.zeros((64, 64), np.float32)})),
+        "no window pattern": ("qwen2.5vl_merger", lambda kv, t: kv.pop("clip.vision.n_wa_pattern")),
+        "windows too small for its patch": ("qwen2.5vl_merger", patch_64),
+    }[change]
+
+
+QWEN_PROJECTORS = ("no attention bias", "no attention weight", "a patch bias", "heads 2 wide",
+                   "no second patch convolution", "a merger of another width", "an output width the sizes do not say",
+                   "patches merged 3x3", "a misshapen norm bias", "no window pattern", "windows too small for its patch")
+
+
+@pytest.mark.parametrize("name", QWEN_PROJECTORS)
+def test_a_damaged_qwen_vl_projector_is_one_line_at_start(home, qwen_dir, photo, tmp_path, tally, name):
+    """Refused before clip.cpp reads them: without the checks, the tensors missing end the process by SIGSEGV
+    at the first image, the sizes that do not hold together by SIGABRT, and the last encodes forever; clip.cpp
+    refuses a Qwen2.5-VL file without its window pattern itself."""
+    kind, damage = _qwen(name)
+    kv, tensors = projector_parts(kind)
+    named = dict(tensors)
+    damage(kv, named)
+    path = tmp_path / "mmproj-qwen-damaged.gguf"
+    write_gguf(str(path), kv, list(named.items()))
+    _refused_at_start(home, qwen_dir / "qwen2vl-tiny.gguf", path, photo, tally)
+
+
+def _refused_at_start(home: Path, model: Path, projector: Path, photo: Path, tally) -> None:
+    """The chat started with the projector and asked to read an image: one line naming the file, exit 2."""
+    code, err, took, peak = run_measured(["--model", str(model), "--mmproj", str(projector), "--max-tokens", "4",
+                                          "--no-session"], {"LOCALCHAT_HOME": str(home)},
+                                         stdin=f"/attach {photo}\nHello\n")
+    lines = err.strip().splitlines()
+    ok = (code == 2 and len(lines) == 1 and projector.name in lines[0] and "Traceback" not in err
+          and took < TIME_BOUND_S and peak < PEAK_BOUND_MB)
+    tally.case(ok)
+    assert ok, (code, err, took, peak)
+
+
 @pytest.fixture(scope="module")
 def projectors(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("projectors")
@@ -73,15 +129,7 @@ def photo(tmp_path_factory) -> Path:
 def test_a_damaged_projector_is_one_line_at_start(home, demo_path, projectors, photo, tally, name):
     """Refused at start with one line; had it loaded, the image it is asked to read must not end the process
     either (clip.cpp asserts on what it finds wrong while it encodes)."""
-    path = projectors[name]
-    code, err, took, peak = run_measured(["--model", str(demo_path), "--mmproj", str(path), "--max-tokens", "4",
-                                          "--no-session"], {"LOCALCHAT_HOME": str(home)},
-                                         stdin=f"/attach {photo}\nHello\n")
-    lines = err.strip().splitlines()
-    ok = (code == 2 and len(lines) == 1 and path.name in lines[0] and "Traceback" not in err
-          and took < TIME_BOUND_S and peak < PEAK_BOUND_MB)
-    tally.case(ok)
-    assert ok, (code, err, took, peak)
+    _refused_at_start(home, demo_path, projectors[name], photo, tally)
 
 
 def _png(w: int, h: int, seed: int = 0) -> bytes:
