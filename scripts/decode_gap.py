@@ -1,11 +1,12 @@
 """Where plain decode loses to llama-bench on a GPU: the same model and settings as the chat's engine
-(`localchat.runtime` for the profile), a prompt of `--depth` tokens, then `--tokens` greedy tokens three
+(`localchat.runtime` for the profile), a prompt of `--depth` tokens, then `--tokens` greedy tokens five
 ways in one process: llama-bench's own loop through ctypes (llama_decode, then llama_synchronize, nothing
-read), that loop reading the logits and drawing the token (numpy argmax), and the engine's `generate`
-(what a chat runs); with `--llama-bench`, llama-bench itself as a fourth. The order turns each round, so
-the machine's drift (a few per cent over a minute on the H200 VM) falls on each way alike. One JSON
-object on stdout: tokens a second, medians of `--repeat` rounds, and each way over llama-bench and over
-the raw loop, round by round.
+read), that loop reading the logits and drawing the token (numpy argmax), the engine's `generate`, the
+same on the chat's own engine (the runtime's: its pinned state buffer made), and a whole chat turn on it
+as `bench --decode` times one (what a chat runs); with `--llama-bench`, llama-bench itself as a sixth.
+The order turns each round, so the machine's drift (a few per cent over a minute on the H200 VM) falls
+on each way alike. One JSON object on stdout: tokens a second, medians of `--repeat` rounds, and each way
+over llama-bench and over the raw loop, round by round.
 
     python scripts/decode_gap.py MODEL.gguf --profile h200 --depth 300 --tokens 256 --repeat 9 --llama-bench B
 """
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import llama_cpp as lc  # noqa: E402
 
 from localchat import runtime  # noqa: E402
+from localchat.bench import decode  # noqa: E402
 from localchat.bench.peer import run_llama_bench  # noqa: E402
 from localchat.engine import Engine, SamplingConfig  # noqa: E402
 from localchat.engine.sampling import logits  # noqa: E402
@@ -54,15 +56,24 @@ def _generate(e: Engine, n: int) -> float:
     return (len(gen.tokens) - 2) / (gen.last_token_at - gen.second_token_at)
 
 
-WAYS = ("raw", "raw_draw", "generate", "llama_bench")
+WAYS = ("raw", "raw_draw", "generate", "generate_chat_engine", "chat_turn", "llama_bench")
 
 
-def _round(e: Engine, prompt: list[int], n: int, turn: int, bench: str | None) -> dict[str, float]:
+def _round(e: Engine, rt: runtime.Runtime, prompt: list[int], n: int, turn: int, bench: str | None) -> dict[str, float]:
     out = {}
     ways = [w for w in WAYS if bench or w != "llama_bench"]
     for way in ways[turn % len(ways):] + ways[:turn % len(ways)]:
         if way == "llama_bench":
             out[way] = run_llama_bench(bench or "", e.config, len(prompt), n, repeat=1)
+            continue
+        if way == "chat_turn":  # bench --decode's own measure: the steady rate after the first step
+            _, st = decode._fresh_turn(rt, "off", decode.WORKLOADS["not repetitive"], n)
+            out[way] = float(st.extra["wall_decode_tps_after_first"])
+            continue
+        if way == "generate_chat_engine":
+            rt.engine.clear()
+            rt.engine.prefill(prompt)
+            out[way] = _generate(rt.engine, n)
             continue
         e.clear()
         e.prefill(prompt)
@@ -88,10 +99,10 @@ def main() -> None:
     profile = profiles.with_overrides(profiles.load(a.profile), model=a.model)
     with runtime.open_runtime(profile, lambda _: None) as rt:
         cfg = dataclasses.replace(rt.engine.config, pinned_bytes=0)
-    e = Engine(cfg)
-    prompt = [(i * 7919) % 40000 + 100 for i in range(a.depth)]
-    rounds = [_round(e, prompt, a.tokens, turn, a.llama_bench) for turn in range(a.repeat)]
-    e.close()
+        e = Engine(cfg)
+        prompt = [(i * 7919) % 40000 + 100 for i in range(a.depth)]
+        rounds = [_round(e, rt, prompt, a.tokens, turn, a.llama_bench) for turn in range(a.repeat)]
+        e.close()
     ratios = {f"{w}_over_{base}": round(statistics.median(r[w] / r[base] for r in rounds), 4)
               for base in ("llama_bench", "raw") if base in rounds[0] for w in rounds[0] if w != base}
     print(json.dumps({"n_ctx": cfg.n_ctx, "threads": cfg.threads(), "depth": a.depth, "tokens": a.tokens,

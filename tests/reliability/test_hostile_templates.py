@@ -46,10 +46,13 @@ HOSTILE: dict[str, tuple[str | bytes, str]] = {  # name: (template, what the ref
 _PEAK = """
 import json, resource, subprocess, sys, time
 t0 = time.monotonic()
-r = subprocess.run(sys.argv[2:], input=sys.argv[1].encode(), capture_output=True)
+try:  # a case that hangs is killed here, not left running beside the rest of the suite
+    r = subprocess.run(sys.argv[2:], input=sys.argv[1].encode(), capture_output=True, timeout=100)
+    code, err = r.returncode, r.stderr.decode(errors="replace")
+except subprocess.TimeoutExpired:
+    code, err = -9, "no answer within 100 s: killed"
 took = time.monotonic() - t0
-print(json.dumps([r.returncode, r.stderr.decode(errors="replace"), took,
-                  resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024]))
+print(json.dumps([code, err, took, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024]))
 """
 
 
