@@ -1,9 +1,10 @@
 """Where plain decode loses to llama-bench on a GPU: the same model and settings as the chat's engine
-(`localchat.runtime` for the profile), a prompt of `--depth` tokens, then `--tokens` greedy tokens five
+(`localchat.runtime` for the profile), a prompt of `--depth` tokens, then `--tokens` greedy tokens six
 ways in one process: llama-bench's own loop through ctypes (llama_decode, then llama_synchronize, nothing
-read), that loop reading the logits and drawing the token (numpy argmax), the engine's `generate`, the
+read), that loop reading the logits and drawing the token (numpy argmax), the engine's `generate` (its greedy
+draw in llama.cpp's graph where a GPU computes) and the same drawing on the host, the
 same on the chat's own engine (the runtime's: its pinned state buffer made), and a whole chat turn on it
-as `bench --decode` times one (what a chat runs); with `--llama-bench`, llama-bench itself as a sixth.
+as `bench --decode` times one (what a chat runs); with `--llama-bench`, llama-bench itself as a seventh.
 The order turns each round, so the machine's drift (a few per cent over a minute on the H200 VM) falls
 on each way alike. One JSON object on stdout: tokens a second, medians of `--repeat` rounds, and each way
 over llama-bench and over the raw loop, round by round.
@@ -30,6 +31,7 @@ from localchat import runtime  # noqa: E402
 from localchat.bench import decode  # noqa: E402
 from localchat.bench.peer import run_llama_bench  # noqa: E402
 from localchat.engine import Engine, SamplingConfig  # noqa: E402
+from localchat.engine.backend import SEQ  # noqa: E402
 from localchat.engine.sampling import logits  # noqa: E402
 from localchat.engine.types import Generation  # noqa: E402
 from localchat.machine import profiles  # noqa: E402
@@ -49,14 +51,18 @@ def _raw(e: Engine, start: int, n: int, draw: bool) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def _generate(e: Engine, n: int) -> float:
+REPLIES: dict[str, list[int]] = {}  # each generate way's first reply: the graph's draw and the host's compared
+
+
+def _generate(e: Engine, n: int, way: str) -> float:
     gen = Generation([])
     for _ in e.generate(e.make_sampler(SamplingConfig(temperature=0)), n, gen):
         pass
+    REPLIES.setdefault(way, gen.tokens)
     return (len(gen.tokens) - 2) / (gen.last_token_at - gen.second_token_at)
 
 
-WAYS = ("raw", "raw_draw", "generate", "generate_chat_engine", "chat_turn", "llama_bench")
+WAYS = ("raw", "raw_draw", "generate", "generate_host_draw", "generate_chat_engine", "chat_turn", "llama_bench")
 
 
 def _round(e: Engine, rt: runtime.Runtime, prompt: list[int], n: int, turn: int, bench: str | None) -> dict[str, float]:
@@ -73,13 +79,19 @@ def _round(e: Engine, rt: runtime.Runtime, prompt: list[int], n: int, turn: int,
         if way == "generate_chat_engine":
             rt.engine.clear()
             rt.engine.prefill(prompt)
-            out[way] = _generate(rt.engine, n)
+            out[way] = _generate(rt.engine, n, way)
             continue
+        graph_draw = e.graph_draw
+        if way != "generate" and graph_draw is not None:  # the others draw on the host (the raw loops read logits)
+            graph_draw.detach(SEQ)
+            e.graph_draw = None
         e.clear()
         e.prefill(prompt)
-        if way == "generate":
-            out[way] = _generate(e, n)
+        if way.startswith("generate"):
+            out[way] = _generate(e, n, way)
+            e.graph_draw = graph_draw
             continue
+        e.graph_draw = graph_draw
         lc.llama_synchronize(e.ctx)
         e._decode([prompt[-1]], len(prompt), want_logits=True)  # the first step (the graph's build) apart
         lc.llama_synchronize(e.ctx)
@@ -108,7 +120,9 @@ def main() -> None:
     print(json.dumps({"n_ctx": cfg.n_ctx, "threads": cfg.threads(), "depth": a.depth, "tokens": a.tokens,
                       "threads_alive": [t.name for t in threading.enumerate()],
                       "median_tps": {k: round(statistics.median(r[k] for r in rounds), 1) for k in rounds[0]},
-                      "median_ratio": ratios, "rounds": rounds}))
+                      "median_ratio": ratios, "graph_draw": e.graph_draw is not None,
+                      "same_reply_graph_and_host_draw": REPLIES.get("generate") == REPLIES.get("generate_host_draw"),
+                      "rounds": rounds}))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 import llama_cpp as lc
 
 from localchat.engine.loadlog import LOAD_LOG
+from localchat.engine.speculative import DRAFT_MAX
 from localchat.engine.types import Device, EngineConfig
 
 log = logging.getLogger("localchat.engine")
@@ -204,4 +205,5 @@ def context_params(config: EngineConfig) -> lc.llama_context_params:
     params.type_v = GGML_TYPES[config.type_v]
     params.swa_full = config.swa_full
     params.no_perf = False
+    params.n_outputs_max_per_seq = DRAFT_MAX + 1  # a greedy draw in the graph also draws a verification's rows
     return params

@@ -19,7 +19,7 @@ from localchat.engine.loadlog import LOAD_LOG, explain
 from localchat.engine.media import Embedding, MediaTable, run_of
 from localchat.engine.pinned import Staging
 from localchat.engine.positions import Positions
-from localchat.engine.sampling import drawer, finite_logits, make_sampler
+from localchat.engine.sampling import Constrained, GraphDraw, drawer, finite_logits, is_greedy, make_sampler
 from localchat.engine.speculative import Speculation, verify
 from localchat.engine.stepcost import StepCost
 from localchat.engine.types import Cancelled, EngineConfig, Generation, PrefillResult, SamplingConfig
@@ -73,6 +73,9 @@ class Engine(VocabText):
         # is handed out; on the CPU llama_decode returns when it is done, so the text goes first
         self.overlaps = config.n_gpu_layers != 0 and bool(lc.llama_supports_gpu_offload())
         self.step_cost = StepCost(gpu=self.overlaps)
+        # a greedy reply's draw in llama.cpp's graph where a GPU computes it (tests turn it on for the CPU)
+        self.graph_draw: GraphDraw | None = GraphDraw(self.ctx) if self.overlaps else None
+        self.drawn_in_graph = False  # the last evaluation that kept logits drew its token in the graph instead
         self.tokens: list[int] = []  # the token-canonical history this context holds
         self.n_kv = 0  # how many of self.tokens are evaluated into the KV (the rest are pending)
         self.logits_end = -1  # the KV length whose last token's logits llama.cpp holds now (-1: none)
@@ -175,6 +178,7 @@ class Engine(VocabText):
             b.logits[real - 1] = 1
         b.n_tokens = n
         self.logits_end = start_pos + real if want_logits and not all_logits else -1
+        self.drawn_in_graph = want_logits and self.graph_draw is not None and self.graph_draw.attached
         rc = lc.llama_decode(self.ctx, b)
         if rc != 0:
             raise ModelError(f"llama_decode failed (code {rc}): the KV cache is full or out of memory")
@@ -231,6 +235,7 @@ class Engine(VocabText):
         batch.logits[n - 1] = int(want_logits)
         batch.n_tokens = n
         self.logits_end = start_pos + n if want_logits else -1
+        self.drawn_in_graph = want_logits and self.graph_draw is not None and self.graph_draw.attached
         if emb.nx:
             batch.pos = self._grid_positions(first, emb.nx, row, n)
         if emb.non_causal:
@@ -370,7 +375,7 @@ class Engine(VocabText):
         the reply stopped after its evaluation began. `inject`, asked after each token is handed out:
         tokens the reply must go on with (a thought budget's end marker). `spec`: draft from the
         context's history and verify in batches (not with `inject`)."""
-        draw = drawer(sampler, self.ctx, self.vocab)
+        draw = self._drawer(sampler)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         ahead: list[int] = []  # drawn by a verification batch: all in the KV but the last
         step: tuple[float, int, int] | None = None  # the step in flight: its start, tokens it hands out, drafted
@@ -393,13 +398,13 @@ class Engine(VocabText):
                 if self.is_eog(tok):
                     gen.stop_reason = "eog"
                     return
-                text = decoder.decode(self.piece(tok))
                 room = self.n_ctx - self.n_kv - 2
                 steps = not (evaluated or inject or i == max_tokens - 1 or room < 0)
                 if steps and self.overlaps and i:  # not the first: the step after a prefill builds a graph
                     # the next evaluation starts before the text is handed out: a GPU computes while the UI draws
                     ahead, step = self._step(tok, draw, spec, min(room, max_tokens - 2 - i), top)
                     started = True
+                text = decoder.decode(self.piece(tok))  # after the evaluation's start: a GPU is not kept waiting
                 if text:
                     yield text
                 if i == max_tokens - 1:
@@ -419,6 +424,23 @@ class Engine(VocabText):
             gen.stop_reason = gen.stop_reason or "max_tokens"
         finally:
             self._end_reply(started)
+
+    def _drawer(self, sampler: object) -> Callable[[int], int]:
+        """The reply's draw: a greedy one in the graph where it can be (attached for the reply's next
+        evaluation on), any other from the logits on the host (the last output evaluated again where its
+        token was drawn in the graph and its logits not kept)."""
+        host = drawer(sampler, self.ctx, self.vocab)
+        gd = self.graph_draw
+        if gd is None:
+            return host
+        if not isinstance(sampler, Constrained) and is_greedy(sampler) and gd.attach(SEQ):
+            return lambda i: gd.token(i) if self.drawn_in_graph else host(i)
+        gd.detach(SEQ)
+        if self.drawn_in_graph and self.logits_end == self.n_kv > 0:
+            last = self.n_kv - 1
+            self.forget_from(last)
+            self._decode([self.tokens[last]], last, want_logits=True)
+        return host
 
     def check_finite(self) -> None:
         """One token evaluated once per load, before any chat: a file whose weights give NaN or infinite
@@ -554,6 +576,8 @@ class Engine(VocabText):
             if self._embd_batch is not None:
                 lc.llama_batch_free(self._embd_batch)
             lc.llama_free(self.ctx)
+            if self.graph_draw is not None:
+                self.graph_draw.free()
             lc.llama_model_free(self.model)
             self.ctx = None
 
