@@ -320,7 +320,7 @@ def open_projector(profile: Profile, info: ModelInfo, left_out: str, chat: Chat,
             return
         if chat.engine.mrope and info.projector_kind not in QWEN_VL:  # libmtmd would place its images by M-RoPE
             raise ModelError(f"{info.projector.name} ({info.projector_kind}) would place images by M-RoPE in a way "
-                             "localchat is not tested with: Qwen2-VL's and Qwen2.5-VL's projectors are")
+                             "localchat is not tested with: Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's projectors are")
         try:
             chat.vision = Projector(info.projector, chat.engine, info.name)
         except OSError as exc:  # unreadable while it is fingerprinted

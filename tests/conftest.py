@@ -42,6 +42,16 @@ def qwen_dir(demo_path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_dir(demo_path, tmp_path_factory) -> Path:
+    """A random-weight Qwen3-VL text model (interleaved M-RoPE, a deepstack layer) with its qwen3vl_merger."""
+    from tests.qwen3vl import make_projector, make_text_model
+    d = tmp_path_factory.mktemp("qwen3vl")
+    make_text_model(d / "qwen3vl-tiny.gguf", demo_path)
+    make_projector(d / "mmproj-qwen3vl-tiny-f32.gguf")
+    return d
+
+
+@pytest.fixture(scope="session")
 def gemma_path() -> Path:
     return ensure_builtin("gemma-270m", _report)
 

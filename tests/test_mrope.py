@@ -1,13 +1,15 @@
-"""Images on a model that places them by M-RoPE (Qwen2-VL and its successors), on a random-weight qwen2vl text
-model with the demo vocabulary and a qwen2vl_merger projector made by the tests (tests/qwen2vl.py): an image's
-rows stand on a grid at one position and the tokens after it move up by the grid's longer side only, so the
-KV's positions are not its token indexes. Evaluated as libmtmd itself does, kept across turns, undo, a resumed
-session, a new chat and a rebuilt window; damaged Qwen-VL projectors one line each."""
+"""Images on a model that places them by M-RoPE (Qwen2-VL and its successors), on random-weight text models with
+the demo vocabulary and their projectors made by the tests: qwen2vl with a qwen2vl_merger (tests/qwen2vl.py), and
+qwen3vl (interleaved M-RoPE, a deepstack layer: image rows twice the text's width) with a qwen3vl_merger
+(tests/qwen3vl.py). An image's rows stand on a grid at one position and the tokens after it move up by the grid's
+longer side only, so the KV's positions are not its token indexes. Evaluated as libmtmd itself does, kept across
+turns, undo, a resumed session, a new chat and a rebuilt window; damaged Qwen-VL projectors one line each."""
 
 from __future__ import annotations
 
 import ctypes
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,23 +21,39 @@ from tests.mmproj import write_gguf
 from tests.qwen2vl import make_projector, projector_parts
 from tests.test_images import chat, first_reply, last_logits, ours_and_libmtmds, picture
 
-GRID = (4, 3)  # the 100x80 test picture: resized to 112x84, patches of 14 merged 2x2
+GRID = (4, 3)  # the 100x80 test picture for Qwen2-VL: resized to 112x84, patches of 14 merged 2x2
 IMAGE_TOKENS = GRID[0] * GRID[1]
 SAVED = IMAGE_TOKENS - max(GRID)  # positions the image's rows do not take
 
 
-@pytest.fixture
-def qwen_model(qwen_dir) -> Path:
-    return qwen_dir / "qwen2vl-tiny.gguf"
+@dataclass(frozen=True)
+class Pair:
+    model: Path
+    projector: Path
+    grid: tuple[int, int]  # the 100x80 test picture's
+
+    @property
+    def image_tokens(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+# Qwen3-VL's patches of 16 merged 2x2: the picture resized to 96x96
+PAIRS = {"qwen2vl": ("qwen_dir", GRID), "qwen3vl": ("qwen3_dir", (3, 3))}
+
+
+@pytest.fixture(params=list(PAIRS))
+def pair(request) -> Pair:
+    folder_fixture, grid = PAIRS[request.param]
+    folder = request.getfixturevalue(folder_fixture)
+    return Pair(folder / f"{request.param}-tiny.gguf", folder / f"mmproj-{request.param}-tiny-f32.gguf", grid)
 
 
 @pytest.mark.parametrize("n_batch", [512, 5])  # 5: the image's rows and the text around it in pieces
-def test_the_engine_places_an_m_rope_image_as_libmtmd_does(qwen_dir, tmp_path, n_batch):
-    r = ours_and_libmtmds(qwen_dir / "qwen2vl-tiny.gguf", qwen_dir / "mmproj-qwen2vl-tiny-f32.gguf",
-                          picture(tmp_path / "photo.png"), n_batch)
+def test_the_engine_places_an_m_rope_image_as_libmtmd_does(pair, tmp_path, n_batch):
+    r = ours_and_libmtmds(pair.model, pair.projector, picture(tmp_path / "photo.png"), n_batch)
     it = r["image"]
-    assert it.image_tokens == IMAGE_TOKENS and len(it.tokens) == IMAGE_TOKENS + 2  # its markers: one token each
-    assert r["our_last"] == r["their_last"] == r["tokens"] - 1 - SAVED
+    assert it.image_tokens == pair.image_tokens and len(it.tokens) == pair.image_tokens + 2  # its markers: a token each
+    assert r["our_last"] == r["their_last"] == r["tokens"] - 1 - (pair.image_tokens - max(pair.grid))
     assert int(np.argmax(r["ours"])) == int(np.argmax(r["theirs"]))
     assert np.max(np.abs(r["ours"] - r["theirs"])) < 1e-4
 
@@ -62,7 +80,7 @@ def _pictures(tmp_path: Path) -> list[Path]:
 
 @pytest.mark.parametrize("n_batch", [512, 5])
 def test_several_images_the_same_one_twice_rewinds_and_a_loaded_state_stand_where_libmtmd_puts_them(
-        qwen_dir, tmp_path, n_batch):
+        pair, tmp_path, n_batch):
     """Three images of three grids, the first twice: our prompt against libmtmd's own, after rewinds to a run's
     first row and to its end, and after the KV's state is saved and loaded."""
     import llama_cpp as lc
@@ -71,8 +89,8 @@ def test_several_images_the_same_one_twice_rewinds_and_a_loaded_state_stand_wher
     from localchat.engine.vision import Projector
     photos = _pictures(tmp_path)
     order = [0, 1, 0, 2]
-    engine = make_engine(qwen_dir / "qwen2vl-tiny.gguf", n_threads=THREADS, n_batch=n_batch, n_ubatch=n_batch)
-    projector = Projector(qwen_dir / "mmproj-qwen2vl-tiny-f32.gguf", engine, "qwen2vl-tiny")
+    engine = make_engine(pair.model, n_threads=THREADS, n_batch=n_batch, n_ubatch=n_batch)
+    projector = Projector(pair.projector, engine, pair.model.stem)
     try:
         rgbs = [Image.open(p).convert("RGB") for p in photos]
         images = [projector.encode(im.tobytes(), im.width, im.height, f"sha-{i}") for i, im in enumerate(rgbs)]
@@ -150,13 +168,14 @@ def test_a_cut_after_an_image_keeps_its_positions_and_one_before_it_drops_it_who
     assert np.max(np.abs(first - again)) < 1e-5 and np.max(np.abs(first - rebuilt)) < 1e-5
 
 
-def test_a_qwen_vl_chat_keeps_its_image_across_turns_undo_a_resume_and_a_new_chat(qwen_model, tmp_path, home):
+def test_a_qwen_vl_chat_keeps_its_image_across_turns_undo_a_resume_and_a_new_chat(pair, tmp_path, home):
+    qwen_model, image_tokens = pair.model, pair.image_tokens
     photo = picture(tmp_path / "photo.png")
     first, st = chat(qwen_model, tmp_path, "q", "What is in the picture?\nAnd the colours?\n/undo\nAnd the colours?\n",
                      "--attach", str(photo), "--session", "qwen")
     assert first.returncode == 0, first.stderr
-    assert f"[image: {photo}, 100x80, {IMAGE_TOKENS} tokens]" in first.stderr
-    assert [s["image_encoded"] for s in st] == [IMAGE_TOKENS, 0, 0]
+    assert f"[image: {photo}, 100x80, {image_tokens} tokens]" in first.stderr
+    assert [s["image_encoded"] for s in st] == [image_tokens, 0, 0]
     assert all(s["recomputed_tokens"] <= s["new_tokens"] + 1 for s in st[1:])
     replies = [x for x in first.stdout.strip().splitlines() if x.strip()]
     assert replies[1] == replies[2]  # the turn undone and asked again: the same KV, the same reply
@@ -169,7 +188,7 @@ def test_a_qwen_vl_chat_keeps_its_image_across_turns_undo_a_resume_and_a_new_cha
     assert st3[0]["kv_restored"] is False and first_reply(rebuilt) == first_reply(resumed)
     again, st4 = chat(qwen_model, tmp_path, "q4", "What is in the picture?\n", "--attach", str(photo),
                       "--session", "other")
-    assert st4[0]["image_encoded"] == 0 and st4[0]["prefix_store_tokens"] > IMAGE_TOKENS
+    assert st4[0]["image_encoded"] == 0 and st4[0]["prefix_store_tokens"] > image_tokens
     assert first_reply(again) == first_reply(first)
 
 
@@ -241,9 +260,9 @@ def test_projectors_of_the_first_converter_or_without_optional_tensors_are_taken
     assert [s["image_encoded"] for s in st] == [IMAGE_TOKENS]
 
 
-@pytest.mark.parametrize("kind", ["qwen3vl_merger", "gemma3"])
+@pytest.mark.parametrize("kind", ["qwen2.5o", "gemma3"])
 def test_a_projector_of_an_untested_m_rope_placement_is_one_line_and_the_chat_goes_on(qwen_dir, tmp_path, kind):
-    """Qwen3-VL's projector (refused by its type), or any other type beside an M-RoPE model (libmtmd would
+    """Qwen2.5-Omni's projector (refused by its type), or any other type beside an M-RoPE model (libmtmd would
     place its images by M-RoPE): one line, the chat runs without images."""
     from tests.mmproj import make_projector as make_gemma_projector
     folder = tmp_path / "untested"

@@ -22,6 +22,9 @@ from localchat.machine.gguf_file import STRING, GGUFInfo
 MAX_LAYERS = 512  # LLAMA_MAX_LAYERS
 MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS
 ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")
+# architectures llama.cpp always runs with M-RoPE (its rope sections); glm4 and others only where sections are set
+M_ROPE = ("qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "qwen4exp", "qwen3tts")
+DEEPSTACK = ("qwen3vl", "qwen3vlmoe")  # image rows wider than the text, a slice added after each of the first blocks
 BYTE_TOKENS_SPM = 128  # an SPM vocabulary spells unknown characters in <0x80>..<0xFF> byte tokens at least
 NUMBER_KEYS = ("block_count", "embedding_length", "context_length", "attention.head_count",
                "attention.head_count_kv", "attention.key_length", "attention.value_length",
@@ -59,6 +62,7 @@ def _problems(g: GGUFInfo) -> Iterator[str]:
     yield from hp.heads()
     yield from hp.sliding_window()
     yield from hp.rope_and_norms()
+    yield from hp.m_rope()
     yield from _vocabulary(g, arch)
 
 
@@ -158,6 +162,20 @@ class _Hparams:
             eps = self.get(key)
             if self.has(key) and not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
                 yield f"{self.arch}.{key} is {eps!r}; it must be a small positive number"
+
+    def m_rope(self) -> Iterator[str]:
+        """M-RoPE's sections split a head (more than it holds abort the first decode, as do none for an
+        architecture that always uses them); a deepstack slice after the last block aborts any longer prompt."""
+        sections = self.get("rope.dimension_sections")
+        if isinstance(sections, list) and all(isinstance(v, int) for v in sections):
+            size = self._head_size()
+            if size and sum(sections[:4]) > size:
+                yield f"{self.arch}.rope.dimension_sections {sections[:4]} add up to more than its head size ({size})"
+            elif self.arch in M_ROPE and not any(v > 0 for v in sections[:3]):
+                yield f"{self.arch}.rope.dimension_sections {sections[:4]} give its image positions no dimension"
+        deepstack, n_layer = self._int("n_deepstack_layers"), self._int("block_count")
+        if self.arch in DEEPSTACK and n_layer and deepstack >= n_layer:
+            yield f"{self.arch}.n_deepstack_layers ({deepstack}) is not below its {n_layer} layers"
 
     def _head_size(self) -> int:
         """A key head's size as llama.cpp takes it: key_length, or the embedding over layer 0's head count

@@ -4,6 +4,7 @@ uint32, floats as f32), and sized for the memory plan: its weights and its encod
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,8 @@ U32, I32, F32, BOOL, STRING, ARRAY = 4, 5, 6, 7, 8, 9
 WANTED_TYPES = {U32: "uint32", I32: "int32", F32: "float32", BOOL: "bool", STRING: "string", ARRAY: "array"}
 MAX_BLOCKS = 1024
 FIXED_SIZE = ("gemma3", "idefics3")  # projector types whose images are resized to image_size, in patches
-QWEN_VL = ("qwen2vl_merger", "qwen2.5vl_merger")  # any image size, 2x2 patches merged, placed by M-RoPE
-UNTESTED_M_ROPE = ("qwen3vl_merger", "qwen2.5o")  # refused by name: their graphs' rules differ from Qwen2-VL's
+QWEN_VL = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")  # any image size, 2x2 merged, M-RoPE
+UNTESTED_M_ROPE = ("qwen2.5o",)  # refused by name: its graph's rules differ from Qwen2-VL's
 QWEN_MAX_TOKENS = 4096  # clip.cpp's limit of a Qwen-VL image's tokens (each of 2x2 patches)
 QWEN_MAX_PATCH = 56  # Qwen2.5-VL's window of 112 pixels holds no merged patch past this: clip.cpp loops forever
 SHARED_START = 6  # characters two names share at their start to be taken as one model's files
@@ -77,8 +78,8 @@ def projector_info(path: Path) -> ProjectorInfo:
         if key not in g.metadata:
             raise ModelError(f"{name} lacks {key}: it is damaged or was written by an unknown converter")
     if g.get("clip.projector_type") in UNTESTED_M_ROPE:
-        raise ModelError(f"{name} is a {g.get('clip.projector_type')} projector (Qwen3-VL, Qwen2.5-Omni), whose M-RoPE "
-                         "placement localchat is not yet tested with; Qwen2-VL's and Qwen2.5-VL's are")
+        raise ModelError(f"{name} is a {g.get('clip.projector_type')} projector (Qwen2.5-Omni), whose M-RoPE "
+                         "placement localchat is not yet tested with; Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's are")
     for key, vtype in g.value_types.items():
         wanted = _wanted(key)
         if wanted is not None and vtype != wanted:
@@ -134,14 +135,18 @@ def _qwen_problem(g: GGUFInfo, shapes: dict) -> str:
     problem = _qwen_sizes(g, embd, heads, windowed)
     if problem:
         return problem
-    if "v.patch_embd.bias" in shapes:
+    qwen3 = g.get("clip.projector_type") == "qwen3vl_merger"
+    if not qwen3 and "v.patch_embd.bias" in shapes:
         return "it has a patch bias, which its encoder does not take"
     if len(shapes.get("mm.2.bias", ())) != 1:
         return "its output width (tensor mm.2.bias) is missing"
     out = shapes["mm.2.bias"][0]
     if windowed and int(g.get("clip.vision.projection_dim", 0) or 0) != out:
         return f"clip.vision.projection_dim is not its output width {out} (mm.2)"
-    required, optional = _qwen_tensors(g, shapes, embd, out, windowed)
+    problem = _qwen3_extra(g, shapes, embd) if qwen3 else ""
+    if problem:
+        return problem
+    required, optional = (_qwen3_tensors if qwen3 else _qwen_tensors)(g, shapes, embd, out)
     for tensor, shape in required.items():
         if tuple(shapes.get(tensor, ())) != shape:
             found = list(shapes[tensor]) if tensor in shapes else "missing"
@@ -168,7 +173,7 @@ def _qwen_sizes(g: GGUFInfo, embd: int, heads: int, windowed: bool) -> str:
     return ""
 
 
-def _qwen_tensors(g: GGUFInfo, shapes: dict, embd: int, out: int, windowed: bool) -> tuple[dict, dict]:
+def _qwen_tensors(g: GGUFInfo, shapes: dict, embd: int, out: int) -> tuple[dict, dict]:
     """The tensors it must have and those it may have, by shape. Files of the first converter (the surgery
     script) name the feed-forward's up and down the other way round: clip.cpp swaps them back, so does this."""
     up, down = "ffn_up", "ffn_down"
@@ -186,9 +191,60 @@ def _qwen_tensors(g: GGUFInfo, shapes: dict, embd: int, out: int, windowed: bool
                          for w in ("q", "k", "v") for kind in ("weight", "bias")})
         required.update({b + "attn_out.weight": (embd, embd), b + f"{up}.weight": (embd, ffn),
                          b + f"{down}.weight": (ffn, embd)})
-        optional.update({b + f"{n}.{kind}": (embd,) for n in ("ln1", "ln2") for kind in ("weight", "bias")})
-        optional.update({b + "attn_out.bias": (embd,), b + f"{up}.bias": (ffn,), b + f"{down}.bias": (embd,),
-                         b + "ffn_gate.weight": (embd, ffn), b + "ffn_gate.bias": (ffn,)})
+        optional.update(_block_optional(b, embd, ffn, up, down))
+    return required, optional
+
+
+def _block_optional(b: str, embd: int, ffn: int, up: str = "ffn_up", down: str = "ffn_down"
+                    ) -> dict[str, tuple[int, ...]]:
+    """A Qwen-VL encoder block's norms and biases, which clip.cpp adds only where the file has them."""
+    optional: dict[str, tuple[int, ...]] = {b + f"{n}.{kind}": (embd,) for n in ("ln1", "ln2")
+                                            for kind in ("weight", "bias")}
+    optional.update({b + "attn_out.bias": (embd,), b + f"{up}.bias": (ffn,), b + f"{down}.bias": (embd,),
+                     b + "ffn_gate.weight": (embd, ffn), b + "ffn_gate.bias": (ffn,)})
+    return optional
+
+
+def _qwen3_extra(g: GGUFInfo, shapes: dict, embd: int) -> str:
+    """Qwen3-VL's encoder asserts on a missing patch bias or position embedding and on a class embedding;
+    it resizes its learned positions from a square grid; deepstack tensors of no block are ignored."""
+    if "v.class_embd" in shapes:
+        return "it has a class embedding, which its encoder does not take"
+    pos = tuple(shapes.get("v.position_embd.weight", ()))
+    side = math.isqrt(pos[1]) if len(pos) == 2 else 0
+    if len(pos) != 2 or pos[0] != embd or side == 0 or side * side != pos[1]:
+        found = list(pos) if pos else "missing"
+        return f"tensor v.position_embd.weight is {found}, not {embd} wide over a square grid of patches"
+    blocks = int(g.get("clip.vision.block_count"))
+    stray = sorted({n.split(".")[2] for n in shapes if n.startswith("v.deepstack.")
+                    and not (n.split(".")[2].isdigit() and int(n.split(".")[2]) < blocks)})
+    if stray:
+        return f"it has deepstack tensors of block {stray[0]}, past its {blocks} blocks"
+    return ""
+
+
+def _qwen3_tensors(g: GGUFInfo, shapes: dict, embd: int, out: int) -> tuple[dict, dict]:
+    """Fused qkv with bias, up/down never swapped (clip.cpp swaps only Qwen2's), deepstack mergers on the
+    blocks that have an fc1 (clip.cpp counts those: each adds `out` to the output width)."""
+    patch, merged = int(g.get("clip.vision.patch_size")), 4 * embd
+    ffn = tuple(shapes.get("v.blk.0.ffn_up.weight", (embd, 0)))[-1]
+    required: dict[str, tuple[int, ...]] = {
+        "v.patch_embd.weight": (patch, patch, 3, embd), "v.patch_embd.weight.1": (patch, patch, 3, embd),
+        "v.patch_embd.bias": (embd,), "mm.0.weight": (merged, merged), "mm.0.bias": (merged,),
+        "mm.2.weight": (merged, out)}
+    optional: dict[str, tuple[int, ...]] = {"v.post_ln.weight": (embd,), "v.post_ln.bias": (embd,),
+                                            "v.pre_ln.weight": (embd,), "v.pre_ln.bias": (embd,)}
+    for i in range(int(g.get("clip.vision.block_count"))):
+        b = f"v.blk.{i}."
+        required.update({b + "attn_qkv.weight": (embd, 3 * embd), b + "attn_qkv.bias": (3 * embd,),
+                         b + "attn_out.weight": (embd, embd), b + "ffn_up.weight": (embd, ffn),
+                         b + "ffn_down.weight": (ffn, embd)})
+        optional.update(_block_optional(b, embd, ffn))
+        d = f"v.deepstack.{i}."
+        if d + "fc1.weight" in shapes:
+            required.update({d + "fc1.weight": (merged, merged), d + "fc2.weight": (merged, out)})
+            optional.update({d + "norm.weight": (merged,), d + "norm.bias": (merged,), d + "fc1.bias": (merged,),
+                             d + "fc2.bias": (out,)})
     return required, optional
 
 

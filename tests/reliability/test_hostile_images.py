@@ -18,6 +18,7 @@ from tests.conftest import run_cli
 from tests.ggufedit import edit_gguf, edit_tensors
 from tests.mmproj import make_projector, write_gguf
 from tests.qwen2vl import projector_parts
+from tests.qwen3vl import projector_parts as qwen3_parts
 from tests.reliability.test_hostile_templates import PEAK_BOUND_MB, TIME_BOUND_S, run_measured
 
 
@@ -97,6 +98,41 @@ def test_a_damaged_qwen_vl_projector_is_one_line_at_start(home, qwen_dir, photo,
     path = tmp_path / "mmproj-qwen-damaged.gguf"
     write_gguf(str(path), kv, list(named.items()))
     _refused_at_start(home, qwen_dir / "qwen2vl-tiny.gguf", path, photo, tally)
+
+
+def _zeros(*shape: int) -> np.ndarray:
+    return np.zeros(shape, np.float32)
+
+
+DS = "v.deepstack.1."  # the test projector's one deepstack merger (tests/qwen3vl.py), 128 wide, to 64
+QWEN3_PROJECTORS: dict[str, Callable[[dict, dict], object]] = {  # each ended the process at the first image
+    "a deepstack merger without its second layer": lambda kv, t: t.pop(DS + "fc2.weight"),  # SIGABRT
+    "a deepstack merger of another width": lambda kv, t: t.update({DS + "fc2.weight": _zeros(96, 128),
+                                                                   DS + "fc2.bias": _zeros(96)}),  # SIGABRT
+    "no position embedding": lambda kv, t: t.pop("v.position_embd.weight"),  # SIGABRT
+    "positions not on a square grid": lambda kv, t: t.update({"v.position_embd.weight": _zeros(200, 32)}),  # SIGABRT
+    "no patch bias": lambda kv, t: t.pop("v.patch_embd.bias"),  # SIGABRT
+    "no second patch convolution": lambda kv, t: t.pop("v.patch_embd.weight.1"),  # SIGSEGV
+    "a class embedding": lambda kv, t: t.update({"v.class_embd": _zeros(32)}),  # SIGABRT
+    "no fused attention bias": lambda kv, t: t.pop("v.blk.0.attn_qkv.bias"),  # SIGSEGV
+    "Qwen2-VL's separate attention": lambda kv, t: (t.pop("v.blk.0.attn_qkv.weight"), t.update(
+        {f"v.blk.0.attn_{w}.weight": _zeros(32, 32) for w in "qkv"})),  # SIGSEGV
+    "a fused attention of another width": lambda kv, t: t.update({"v.blk.0.attn_qkv.weight": _zeros(64, 32)}),
+    "a merger of another width": lambda kv, t: t.update({"mm.0.weight": _zeros(64, 64)}),  # SIGABRT
+    "a misshapen norm bias": lambda kv, t: t.update({"v.blk.1.ln1.bias": _zeros(7)}),  # SIGABRT
+}
+
+
+@pytest.mark.parametrize("name", list(QWEN3_PROJECTORS))
+def test_a_damaged_qwen3_vl_projector_is_one_line_at_start(home, qwen3_dir, photo, tmp_path, tally, name):
+    """Refused before clip.cpp reads them: without the checks each ended the process at the first image (SIGSEGV
+    on a weight or bias its graph adds unchecked, SIGABRT on its own asserts or shapes that do not multiply)."""
+    kv, tensors, raw = qwen3_parts()
+    named = dict(tensors)
+    QWEN3_PROJECTORS[name](kv, named)
+    path = tmp_path / "mmproj-qwen3-damaged.gguf"
+    write_gguf(str(path), kv, list(named.items()), raw_kv=raw)
+    _refused_at_start(home, qwen3_dir / "qwen3vl-tiny.gguf", path, photo, tally)
 
 
 def _refused_at_start(home: Path, model: Path, projector: Path, photo: Path, tally) -> None:

@@ -95,11 +95,31 @@ def mutants(tmp_path_factory, demo_path) -> dict[str, Path]:
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_a_damaged_model_file_is_one_line_with_its_reason(home, mutants, tally, name):
-    path = mutants[name]
+    _one_line(home, mutants[name], MUTANTS[name][1], tally)
+
+
+# a Qwen3-VL text model's M-RoPE and deepstack (tests/qwen3vl.py): each aborted llama.cpp at the first prompt
+QWEN3_MUTANTS = {
+    "deepstack layers as many as its blocks": ({"qwen3vl.n_deepstack_layers": 2}, "is not below its 2 layers"),
+    "rope sections past the head": ({"qwen3vl.rope.dimension_sections": [8, 8, 8, 0]},
+                                    "add up to more than its head size (16)"),
+    "rope sections all 0": ({"qwen3vl.rope.dimension_sections": [0, 0, 0, 0]}, "give its image positions no dimension"),
+}
+
+
+@pytest.mark.parametrize("name", list(QWEN3_MUTANTS))
+def test_a_damaged_qwen3_vl_model_is_one_line_with_its_reason(home, demo_path, tmp_path, tally, name):
+    from tests.qwen3vl import make_text_model
+    changes, reason = QWEN3_MUTANTS[name]
+    _one_line(home, make_text_model(tmp_path / "qwen3vl-damaged.gguf", demo_path, kv_extra=changes), reason, tally)
+
+
+def _one_line(home: Path, path: Path, reason: str, tally) -> None:
+    """Started with the file and a line to answer: one line naming it and the reason, exit 2, within bounds."""
     code, err, took, peak = run_measured(["--model", str(path), "--max-tokens", "4"], {"LOCALCHAT_HOME": str(home)})
     lines = err.strip().splitlines()
     ok = (code == 2 and len(lines) == 1 and lines[0].startswith(f"localchat: {path.name}: ")
-          and MUTANTS[name][1] in lines[0] and "Traceback" not in err and "could not load it (run" not in err
+          and reason in lines[0] and "Traceback" not in err and "could not load it (run" not in err
           and took < TIME_BOUND_S and peak < PEAK_BOUND_MB and not any((home / "sessions").glob("*")))
     tally.case(ok)
     assert ok, (code, err, took, peak)
