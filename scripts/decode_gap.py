@@ -1,13 +1,14 @@
 """Where plain decode loses to llama-bench on a GPU: the same model and settings as the chat's engine
-(`localchat.runtime` for the profile), a prompt of `--depth` tokens, then `--tokens` greedy tokens six
-ways in one process: llama-bench's own loop through ctypes (llama_decode, then llama_synchronize, nothing
-read), that loop reading the logits and drawing the token (numpy argmax), the engine's `generate` (its greedy
-draw in llama.cpp's graph where a GPU computes) and the same drawing on the host, the
-same on the chat's own engine (the runtime's: its pinned state buffer made), and a whole chat turn on it
-as `bench --decode` times one (what a chat runs); with `--llama-bench`, llama-bench itself as a seventh.
-The order turns each round, so the machine's drift (a few per cent over a minute on the H200 VM) falls
-on each way alike. One JSON object on stdout: tokens a second, medians of `--repeat` rounds, and each way
-over llama-bench and over the raw loop, round by round.
+(`localchat.runtime` for the profile), a prompt of `--depth` tokens, then `--tokens` greedy tokens in one
+process, eight ways: llama-bench's own loop through ctypes (llama_decode, then llama_synchronize, nothing
+read), that loop reading the logits and drawing the token (numpy argmax), reading the token drawn in llama.cpp's
+graph and feeding it back, and doing that through the engine's own batch and drawer; the engine's `generate`
+(its greedy draw in the graph where a GPU computes) and the same drawing on the host, the same on the chat's own
+engine (the runtime's: its pinned state buffer made), and a whole chat turn on it as `bench --decode` times one
+(what a chat runs); with `--llama-bench`, llama-bench itself as a ninth. The order turns each round, so the
+machine's drift (a few per cent over a minute on the H200 VM) falls on each way alike. One JSON object on
+stdout: tokens a second, medians of `--repeat` rounds, and each way over llama-bench and over the raw loop,
+round by round.
 
     python scripts/decode_gap.py MODEL.gguf --profile h200 --depth 300 --tokens 256 --repeat 9 --llama-bench B
 """
@@ -37,20 +38,31 @@ from localchat.engine.types import Generation  # noqa: E402
 from localchat.machine import profiles  # noqa: E402
 
 
-def _raw(e: Engine, start: int, n: int, draw: bool) -> float:
-    """llama-bench's loop from position `start` (its token is the last one evaluated); tokens a second."""
-    b, tok, n_vocab = e._batch, 1000, lc.llama_vocab_n_tokens(e.vocab)
+def _raw(e: Engine, start: int, n: int, read: str) -> float:
+    """llama-bench's loop from position `start` (its token is the last one evaluated); tokens a second.
+    `read`: none (synchronize only), host (the logits' argmax), graph (the token drawn in llama.cpp's graph
+    fed back, as a reply does), ours (that, through the engine's own batch and drawer: generate's pieces
+    without its loop)."""
+    b, tok, n_vocab, gd = e._batch, 1000, lc.llama_vocab_n_tokens(e.vocab), e.graph_draw
+    draw = e._drawer(e.make_sampler(SamplingConfig(temperature=0))) if read == "ours" else None
     t0 = time.perf_counter()
     for i in range(n):
+        if draw is not None:
+            e._decode([tok], start + i, want_logits=True)
+            tok = draw(-1)
+            continue
         e._batch_tokens[0], e._batch_pos[0], b.logits[0], b.n_tokens = tok, start + i, 1, 1
         lc.llama_decode(e.ctx, b)
-        if draw:
+        if read == "host":
             tok = int(logits(e.ctx, -1, n_vocab).argmax())
+        elif read == "graph" and gd is not None:
+            tok = gd.token(-1)
         else:
             lc.llama_synchronize(e.ctx)
     return n / (time.perf_counter() - t0)
 
 
+READS = {"raw": "none", "raw_draw": "host", "raw_graph": "graph", "raw_ours": "ours"}
 REPLIES: dict[str, list[int]] = {}  # each generate way's first reply: the graph's draw and the host's compared
 
 
@@ -62,7 +74,8 @@ def _generate(e: Engine, n: int, way: str) -> float:
     return (len(gen.tokens) - 2) / (gen.last_token_at - gen.second_token_at)
 
 
-WAYS = ("raw", "raw_draw", "generate", "generate_host_draw", "generate_chat_engine", "chat_turn", "llama_bench")
+WAYS = ("raw", "raw_draw", "raw_graph", "raw_ours", "generate", "generate_host_draw", "generate_chat_engine",
+        "chat_turn", "llama_bench")
 
 
 def _round(e: Engine, rt: runtime.Runtime, prompt: list[int], n: int, turn: int, bench: str | None) -> dict[str, float]:
@@ -82,7 +95,8 @@ def _round(e: Engine, rt: runtime.Runtime, prompt: list[int], n: int, turn: int,
             out[way] = _generate(rt.engine, n, way)
             continue
         graph_draw = e.graph_draw
-        if way != "generate" and graph_draw is not None:  # the others draw on the host (the raw loops read logits)
+        in_graph = way in ("generate", "raw_graph", "raw_ours")
+        if not in_graph and graph_draw is not None:  # the others draw on the host (the raw loops read logits)
             graph_draw.detach(SEQ)
             e.graph_draw = None
         e.clear()
@@ -92,10 +106,12 @@ def _round(e: Engine, rt: runtime.Runtime, prompt: list[int], n: int, turn: int,
             e.graph_draw = graph_draw
             continue
         e.graph_draw = graph_draw
+        if in_graph and graph_draw is not None:
+            graph_draw.attach(SEQ)
         lc.llama_synchronize(e.ctx)
         e._decode([prompt[-1]], len(prompt), want_logits=True)  # the first step (the graph's build) apart
         lc.llama_synchronize(e.ctx)
-        out[way] = _raw(e, len(prompt) + 1, n, way == "raw_draw")
+        out[way] = _raw(e, len(prompt) + 1, n, READS[way])
     return out
 
 

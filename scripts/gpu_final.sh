@@ -13,7 +13,7 @@
 #   bash scripts/gpu_final.sh ui OUTDIR        # build + the 8B shape, bench --typing's stage trace against
 #                                               # llama-server (BEFORE=DIR: an older localchat/ there first)
 #   bash scripts/gpu_final.sh gap34 OUTDIR     # the 8B shape: bench --decode against llama-bench (its first step
-#                                               # apart), bench --document 20000 f16, the pinned state copies
+#                                               # apart), decode_gap.py at both workloads' depths
 #   bash scripts/gpu_final.sh images OUTDIR    # the 8B shape with a random projector: an image's first and cached use
 #   bash scripts/gpu_final.sh mrope OUTDIR     # the tiny model only: Qwen-VL's M-RoPE image placement against libmtmd
 #   bash scripts/gpu_final.sh split OUTDIR     # two GPUs (nvidia-h200-x2): the 8B shape on one GPU, split by layer
@@ -105,16 +105,18 @@ case $PHASE in
     done
     cat "$OUT/state-cost-8b.jsonl"
     ;;
-  gap34)
+  gap34)  # plain decode against llama-bench: bench --decode (paired by round), then decode_gap.py's ways at both
+          # workloads' depths (where a step's time goes: the raw loop, the token read, the engine's pieces, generate)
     timeout 300 python3 -m localchat bench --decode --profile h200 --model $M/8b-gqa.gguf --repeat ${REPEAT:-5} \
       --llama-bench $B/llama-bench --json "$OUT/decode-8b.json" 2> "$OUT/decode-8b.err" | tee "$OUT/decode-8b.txt"
     echo "decode at $(( $(date +%s) - t0 )) s"
-    timeout 150 python3 -m localchat bench --document 20000 --profile h200 --model $M/8b-gqa.gguf --kv-type f16 \
-      --repeat 3 --json "$OUT/document-8b-f16.json" 2> "$OUT/document-8b-f16.err" | tee "$OUT/document-8b-f16.txt"
-    echo "document at $(( $(date +%s) - t0 )) s"
-    timeout 100 python3 scripts/pinned_check.py $M/8b-gqa.gguf --tokens 20000 > "$OUT/pinned-check-8b.json" \
-      2> "$OUT/pinned-check-8b.err"; cat "$OUT/pinned-check-8b.json"; tail -3 "$OUT/pinned-check-8b.err"
-    echo "pinned check at $(( $(date +%s) - t0 )) s"
+    for depth in 46 315; do
+      timeout 200 python3 scripts/decode_gap.py $M/8b-gqa.gguf --profile h200 --depth $depth --tokens 256 \
+        --repeat ${GAP_REPEAT:-7} --llama-bench $B/llama-bench > "$OUT/decode-gap-$depth.json" 2> "$OUT/decode-gap-$depth.err"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['depth'], d['median_tps'], d['median_ratio'])" \
+        "$OUT/decode-gap-$depth.json"; tail -2 "$OUT/decode-gap-$depth.err"
+      echo "decode_gap ($depth) at $(( $(date +%s) - t0 )) s"
+    done
     ;;
   images)  # an image's first use and its next from the disk cache, a projector of SmolVLM's encoder size (#36)
     [ -f $B/libmtmd.so ] || cmake --build /tmp/lcgpu/build -j "$(nproc)" --target mtmd > "$OUT/build-mtmd.log" 2>&1 \
