@@ -34,20 +34,22 @@ def tools_model(demo_path, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen_dir(demo_path, tmp_path_factory) -> Path:
     """A random-weight Qwen2-VL text model (M-RoPE) with its qwen2vl_merger projector beside it."""
-    from tests.qwen2vl import make_projector, make_text_model
-    d = tmp_path_factory.mktemp("qwen2vl")
-    make_text_model(d / "qwen2vl-tiny.gguf", demo_path)
-    make_projector(d / "mmproj-qwen2vl-tiny-f32.gguf")
-    return d
+    from tests import qwen2vl
+    return _vision_pair(qwen2vl, "qwen2vl", demo_path, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def qwen3_dir(demo_path, tmp_path_factory) -> Path:
     """A random-weight Qwen3-VL text model (interleaved M-RoPE, a deepstack layer) with its qwen3vl_merger."""
-    from tests.qwen3vl import make_projector, make_text_model
-    d = tmp_path_factory.mktemp("qwen3vl")
-    make_text_model(d / "qwen3vl-tiny.gguf", demo_path)
-    make_projector(d / "mmproj-qwen3vl-tiny-f32.gguf")
+    from tests import qwen3vl
+    return _vision_pair(qwen3vl, "qwen3vl", demo_path, tmp_path_factory)
+
+
+def _vision_pair(maker, arch: str, demo_path: Path, tmp_path_factory) -> Path:
+    """A folder with ARCH-tiny.gguf and mmproj-ARCH-tiny-f32.gguf beside it, written by the module `maker`."""
+    d = tmp_path_factory.mktemp(arch)
+    maker.make_text_model(d / f"{arch}-tiny.gguf", demo_path)
+    maker.make_projector(d / f"mmproj-{arch}-tiny-f32.gguf")
     return d
 
 
