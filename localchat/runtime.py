@@ -35,7 +35,7 @@ from localchat.machine.fetch import EMBEDDING_MODELS, ensure_builtin
 from localchat.machine.models import ModelInfo
 from localchat.machine.placement import Card
 from localchat.machine.plan import MemoryPlan
-from localchat.machine.projector import QWEN_VL, find_beside, projector_info
+from localchat.machine.projector import QWEN_VL, find_beside, image_token_cap, projector_info
 from localchat.machine.threads import ThreadFit
 from localchat.settings import SETTING_KEYS, Profile, thread_count
 
@@ -322,7 +322,9 @@ def open_projector(profile: Profile, info: ModelInfo, left_out: str, chat: Chat,
             raise ModelError(f"{info.projector.name} ({info.projector_kind}) would place images by M-RoPE in a way "
                              "localchat is not tested with: Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's projectors are")
         try:
-            chat.vision = Projector(info.projector, chat.engine, info.name)
+            config = chat.engine.config
+            cap = image_token_cap(info.projector_kind, min(config.n_ubatch, config.n_batch))
+            chat.vision = Projector(info.projector, chat.engine, info.name, cap)
         except OSError as exc:  # unreadable while it is fingerprinted
             raise ModelError(f"{info.projector.name} cannot be read: {exc.strerror or exc}") from None
         chat.engine.media.refill = functools.partial(attaching.refill, chat)

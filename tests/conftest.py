@@ -45,6 +45,13 @@ def qwen3_dir(demo_path, tmp_path_factory) -> Path:
     return _vision_pair(qwen3vl, "qwen3vl", demo_path, tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def gemma4_dir(demo_path, tmp_path_factory) -> Path:
+    """A random-weight Gemma 4 text model with a gemma4v projector laid out as its converter writes one."""
+    from tests import gemma4
+    return _vision_pair(gemma4, "gemma4", demo_path, tmp_path_factory)
+
+
 def _vision_pair(maker, arch: str, demo_path: Path, tmp_path_factory) -> Path:
     """A folder with ARCH-tiny.gguf and mmproj-ARCH-tiny-f32.gguf beside it, written by the module `maker`."""
     d = tmp_path_factory.mktemp(arch)

@@ -18,8 +18,9 @@ N_EMBD = 64
 MARKERS = {3: b"<|vision_start|>", 4: b"<|vision_end|>"}  # two unused control tokens of SmolLM2 renamed
 
 
-def _vocabulary(demo: Path) -> tuple[bytes, ...]:
-    """The demo model's tokenizer entries, raw, with MARKERS renamed in its token list."""
+def vocabulary(demo: Path, markers: dict[int, bytes] = MARKERS) -> tuple[bytes, ...]:
+    """The demo model's tokenizer entries, raw, with `markers` (an image's begin and end) renamed in its token
+    list."""
     data = demo.read_bytes()
     r = _Raw(data)
     r.take(4), r.u32(), r.u64()
@@ -30,16 +31,16 @@ def _vocabulary(demo: Path) -> tuple[bytes, ...]:
             continue
         entry = data[start:r.pos]
         if key == "tokenizer.ggml.tokens":
-            entry = _renamed(data, start, vstart, r.pos)
+            entry = _renamed(data, start, vstart, r.pos, markers)
         out.append(entry)
     return tuple(out)
 
 
-def _renamed(data: bytes, start: int, vstart: int, end: int) -> bytes:
+def _renamed(data: bytes, start: int, vstart: int, end: int, markers: dict[int, bytes]) -> bytes:
     t = _Raw(data[vstart:end])
     etype, count = t.u32(), t.u64()
     tokens = [t.string() for _ in range(count)]
-    for i, name in MARKERS.items():
+    for i, name in markers.items():
         tokens[i] = name
     body = struct.pack("<IQ", etype, count) + b"".join(struct.pack("<Q", len(x)) + x for x in tokens)
     return data[start:vstart] + body
@@ -69,7 +70,7 @@ def make_text_model(path: Path, demo: Path, seed: int = 0, layers: int = 2) -> P
                     (b + "attn_output.weight", w(N_EMBD, N_EMBD)), (b + "ffn_norm.weight", np.ones(N_EMBD, np.float32)),
                     (b + "ffn_gate.weight", w(ff, N_EMBD)), (b + "ffn_up.weight", w(ff, N_EMBD)),
                     (b + "ffn_down.weight", w(N_EMBD, ff))]
-    write_gguf(str(path), kv, tensors, raw_kv=_vocabulary(demo))
+    write_gguf(str(path), kv, tensors, raw_kv=vocabulary(demo))
     return path
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.mmproj import GGUF_ARRAY, GGUF_BOOL, _str, write_gguf
-from tests.qwen2vl import N_EMBD, _vocabulary
+from tests.qwen2vl import N_EMBD, vocabulary
 
 DEEPSTACK = (1,)  # the encoder blocks with a deepstack merger (of 3): the text model's 1 deepstack layer
 # llama.cpp adds deepstack slice i after text block i, and aborts (ggml_add: ggml_can_repeat) on any prompt of
@@ -61,7 +61,7 @@ def make_text_model(path: Path, demo: Path, seed: int = 0, layers: int = 2, deep
                     (b + "ffn_norm.weight", np.ones(N_EMBD, np.float32)),
                     (b + "ffn_gate.weight", w(ff, N_EMBD)), (b + "ffn_up.weight", w(ff, N_EMBD)),
                     (b + "ffn_down.weight", w(N_EMBD, ff))]
-    write_gguf(str(path), kv, tensors, raw_kv=_vocabulary(demo))
+    write_gguf(str(path), kv, tensors, raw_kv=vocabulary(demo))
     return path
 
 

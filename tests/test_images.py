@@ -135,16 +135,18 @@ def libmtmd_logits(engine, projector, pre: list[int], photo: Path, post: list[in
     return logits, last
 
 
-def ours_and_libmtmds(model: Path, projector_path: Path, photo: Path, n_batch: int, gpu_layers: int = 0) -> dict:
+def ours_and_libmtmds(model: Path, projector_path: Path, photo: Path, n_batch: int, gpu_layers: int = 0,
+                      cap: tuple[int, int] = (0, 0)) -> dict:
     """The picture between a question's words evaluated by the engine and by libmtmd's own helper: both last
-    logits and KV positions, the image's tokens (tests/test_mrope.py; scripts/mrope_check.py on a card)."""
+    logits and KV positions, the image's tokens (tests/test_mrope.py; scripts/mrope_check.py on a card). `cap`:
+    the projector's image token budget (vision.Projector)."""
     import llama_cpp as lc
 
     from localchat.engine import Engine, EngineConfig
     from localchat.engine.vision import Projector
     engine = Engine(EngineConfig(str(model), n_ctx=2048, n_batch=n_batch, n_ubatch=n_batch, n_threads=THREADS,
                                  n_gpu_layers=gpu_layers))
-    projector = Projector(projector_path, engine, model.name)
+    projector = Projector(projector_path, engine, model.name, cap)
     try:
         rgb = Image.open(photo).convert("RGB")
         it = projector.encode(rgb.tobytes(), rgb.width, rgb.height, "sha-of-the-test-photo")
@@ -230,6 +232,26 @@ def test_a_damaged_projector_is_one_line_not_a_crash(demo_path, vision_dir, tmp_
         r, _ = chat(demo_path, tmp_path, name, "Hello\n", "--mmproj", str(tmp_path / name))
         assert r.returncode == 2 and words in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_projector_with_a_class_embedding_has_one_position_more_than_its_patches(tmp_path):
+    """CLIP encoders (LLaVA's) put a class embedding before the patches, so their position rows are one more than
+    the patches: such a file is taken, and one whose rows are the patches alone is refused."""
+    from types import SimpleNamespace
+
+    from localchat.errors import ModelError
+    from localchat.machine.projector import projector_info
+    from tests.mmproj import build, write_gguf
+    kv, tensors = build(SimpleNamespace(type="gemma3", n_embd_text=576, image_size=256, patch=16, embd=64, heads=2,
+                                        ff=128, layers=1, scale=4, longest_edge=512, ftype="f16", seed=0))
+    named = dict(tensors)
+    named["v.class_embd"] = np.zeros(64, np.float32)
+    write_gguf(str(tmp_path / "patches-alone.gguf"), kv, list(named.items()))
+    named["v.position_embd.weight"] = np.zeros((16 * 16 + 1, 64), np.float32)
+    write_gguf(str(tmp_path / "with-class.gguf"), kv, list(named.items()))
+    assert projector_info(tmp_path / "with-class.gguf").kind == "gemma3"
+    with pytest.raises(ModelError, match=r"v.position_embd.weight has the shape \[64, 256\], its sizes say \[64, 257\]"):
+        projector_info(tmp_path / "patches-alone.gguf")
 
 
 def test_the_plan_counts_the_projector_on_the_cpu_and_on_the_card(vision_model):

@@ -52,28 +52,41 @@ def fingerprint(path: Path) -> str:
 class Projector:
     """libmtmd's context for one projector file, bound to the engine's model."""
 
-    def __init__(self, path: Path, engine: Engine, model_name: str):
+    def __init__(self, path: Path, engine: Engine, model_name: str, cap: tuple[int, int] = (0, 0)):
+        """`cap`: the least and most tokens of an image whose positions see each other (evaluated in one batch),
+        where the projector sizes images to a budget larger than the batch (0, 0: its own budget)."""
         self.path, self.engine, self.name = path, engine, path.name
         if M is None:
             raise ModelError(f"{path.name} cannot be used: this llama-cpp-python was built without libmtmd "
                              "(LLAVA_BUILD off), which images need")
         M.mtmd_log_set(log_callback(), None)
         M.mtmd_helper_log_set(log_callback(), None)
-        params = M.mtmd_context_params_default()
-        params.use_gpu = engine.overlaps
-        params.n_threads = engine.threads[1]
-        params.print_timings = False
-        params.warmup = False  # an encode at load would hold up every chat start (the plan counts its buffers)
-        self.ctx = M.mtmd_init_from_file(str(path).encode(), engine.model, params)
-        if not self.ctx:
-            raise ModelError(f"{path.name} is not a vision projector for {model_name} (its output does not match the "
-                             "model's width, or the file is damaged): use the mmproj file made with this model")
+        self.ctx = self._open(model_name)
         if not M.mtmd_support_vision(self.ctx):
             self.close()
             raise ModelError(f"{path.name} has no vision encoder (an audio projector?); images need a vision one")
+        self.cap = cap if cap[1] and M.mtmd_decode_use_non_causal(self.ctx, None) else (0, 0)
+        if self.cap[1]:  # libmtmd sizes each image within the batch, rather than the attach refusing it
+            self.close()
+            self.ctx = self._open(model_name, self.cap)
         self.mrope = bool(M.mtmd_decode_use_mrope(self.ctx))  # libmtmd's placement, from the text model
-        self.fingerprint = fingerprint(path)
+        # an image's layout and encoding depend on the budget too: the cache keeps each budget's apart
+        self.fingerprint = fingerprint(path) + (f":{self.cap[0]}-{self.cap[1]}" if self.cap[1] else "")
         self.n_vocab = lc.llama_vocab_n_tokens(engine.vocab)
+
+    def _open(self, model_name: str, cap: tuple[int, int] = (0, 0)) -> object:
+        params = M.mtmd_context_params_default()
+        params.use_gpu = self.engine.overlaps
+        params.n_threads = self.engine.threads[1]
+        params.print_timings = False
+        params.warmup = False  # an encode at load would hold up every chat start (the plan counts its buffers)
+        if cap[1]:
+            params.image_min_tokens, params.image_max_tokens = cap
+        ctx = M.mtmd_init_from_file(str(self.path).encode(), self.engine.model, params)
+        if not ctx:
+            raise ModelError(f"{self.name} is not a vision projector for {model_name} (its output does not match the "
+                             "model's width, or the file is damaged): use the mmproj file made with this model")
+        return ctx
 
     def key(self, image_sha256: str) -> int:
         return int(hashlib.sha256(f"{self.fingerprint}:{image_sha256}".encode()).hexdigest()[:16], 16) % \

@@ -20,6 +20,11 @@ QWEN_VL = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")  # any image 
 UNTESTED_M_ROPE = ("qwen2.5o",)  # refused by name: its graph's rules differ from Qwen2-VL's
 QWEN_MAX_TOKENS = 4096  # clip.cpp's limit of a Qwen-VL image's tokens (each of 2x2 patches)
 QWEN_MAX_PATCH = 56  # Qwen2.5-VL's window of 112 pixels holds no merged patch past this: clip.cpp loops forever
+# Gemma 4: images sized to 70-1,120 tokens of 3x3 pooled patches (the unified variant pools in its patch), placed
+# by a pair of x/y position tables; its converter writes the type as clip.vision.projector_type
+GEMMA4 = ("gemma4v", "gemma4uv")  # the unified variant pools its patches in its convolution, the other after
+GEMMA4_POOL = 3  # patches a side pooled into a token, where the file names none
+GEMMA4_TOKENS = (70, 1120)  # clip.cpp's least and most tokens a Gemma 4 image takes
 SHARED_START = 6  # characters two names share at their start to be taken as one model's files
 ENCODER_FIXED = 8 << 20  # clip.cpp's graph and input staging beside the activations
 REQUIRED = ("clip.vision.image_size", "clip.vision.patch_size", "clip.vision.embedding_length",
@@ -29,7 +34,7 @@ REQUIRED = ("clip.vision.image_size", "clip.vision.patch_size", "clip.vision.emb
 @dataclass(frozen=True)
 class ProjectorInfo:
     path: Path
-    kind: str  # clip.projector_type: gemma3, idefics3, ...
+    kind: str  # clip.projector_type (or clip.vision.projector_type): gemma3, idefics3, gemma4v, ...
     weight_bytes: int
     compute_bytes: int  # the encoder's compute buffer for one image, estimated from its shape
 
@@ -74,11 +79,13 @@ def projector_info(path: Path) -> ProjectorInfo:
                          "not 'clip'): give the mmproj GGUF made with the model")
     if g.get("clip.has_vision_encoder") is not True:
         raise ModelError(f"{name} has no vision encoder (an audio projector?); images need a vision one")
-    for key in (*REQUIRED, "clip.projector_type"):
+    for key in REQUIRED:
         if key not in g.metadata:
             raise ModelError(f"{name} lacks {key}: it is damaged or was written by an unknown converter")
-    if g.get("clip.projector_type") in UNTESTED_M_ROPE:
-        raise ModelError(f"{name} is a {g.get('clip.projector_type')} projector (Qwen2.5-Omni), whose M-RoPE "
+    if not _kind(g):
+        raise ModelError(f"{name} lacks clip.projector_type: it is damaged or was written by an unknown converter")
+    if _kind(g) in UNTESTED_M_ROPE:
+        raise ModelError(f"{name} is a {_kind(g)} projector (Qwen2.5-Omni), whose M-RoPE "
                          "placement localchat is not yet tested with; Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's are")
     for key, vtype in g.value_types.items():
         wanted = _wanted(key)
@@ -92,7 +99,21 @@ def projector_info(path: Path) -> ProjectorInfo:
     if problem:
         raise ModelError(f"{name}: {problem}, which llama.cpp would abort on: the file is damaged")
     weights = sum(t.n_bytes or 0 for t in g.tensors)
-    return ProjectorInfo(path, str(g.get("clip.projector_type")), weights, _compute(g))
+    return ProjectorInfo(path, _kind(g), weights, _compute(g))
+
+
+def _kind(g: GGUFInfo) -> str:
+    """The projector's type: clip.projector_type, or where a converter of several modalities wrote it (Gemma 4's)
+    clip.vision.projector_type, which clip.cpp reads when the first is absent."""
+    return str(g.get("clip.projector_type") or g.get("clip.vision.projector_type") or "")
+
+
+def image_token_cap(kind: str, batch: int) -> tuple[int, int]:
+    """The least and most tokens an image may take where the projector sizes images to a budget of its own and
+    their positions see each other (evaluated in one batch): within the batch, so that every image fits one;
+    (0, 0) keeps the projector's own budget."""
+    least, most = GEMMA4_TOKENS if kind in GEMMA4 else (0, 0)
+    return (min(least, batch), batch) if 0 < batch < most else (0, 0)
 
 
 def _shape_problem(g: GGUFInfo) -> str:
@@ -102,7 +123,8 @@ def _shape_problem(g: GGUFInfo) -> str:
     size, patch = int(g.get("clip.vision.image_size")), int(g.get("clip.vision.patch_size"))
     if heads <= 0 or embd % heads:
         return f"clip.vision.attention.head_count {heads} does not divide its width {embd}"
-    if str(g.get("clip.projector_type")) in FIXED_SIZE and (size <= 0 or patch <= 0 or size % patch):
+    kind = _kind(g)
+    if kind in FIXED_SIZE and (size <= 0 or patch <= 0 or size % patch):
         return f"clip.vision.image_size {size} is not a multiple of its patch size {patch}"
     blocks = int(g.get("clip.vision.block_count"))
     if not 0 <= blocks <= MAX_BLOCKS:
@@ -110,20 +132,48 @@ def _shape_problem(g: GGUFInfo) -> str:
     shapes = {t.name: t.shape for t in g.tensors}
     side = size // patch if patch > 0 else 0
     wanted: dict[str, tuple[int, ...]] = {"v.patch_embd.weight": (patch, patch, 3, embd)}
-    if str(g.get("clip.projector_type")) not in QWEN_VL:  # Qwen-VL's graph reads none (old files hold a dummy)
-        wanted["v.position_embd.weight"] = (embd, side * side)
+    if kind not in QWEN_VL and kind not in GEMMA4:  # Qwen-VL's graph reads none (old files hold a dummy)
+        # a row a patch, and one more for a class embedding (LLaVA's); Gemma 4's tables are checked apart
+        wanted["v.position_embd.weight"] = (embd, side * side + ("v.class_embd" in shapes))
     for i in range(blocks):
         wanted.update({f"v.blk.{i}.attn_{w}.weight": (embd, embd) for w in ("q", "k", "v", "out")})
         wanted.update({f"v.blk.{i}.{n}.weight": (embd,) for n in ("ln1", "ln2")})
     merge = int(g.get("clip.vision.projector.scale_factor", 1) or 1)
-    if str(g.get("clip.projector_type")) == "gemma3" and "mm.input_projection.weight" in shapes:
+    if kind == "gemma3" and "mm.input_projection.weight" in shapes:
         wanted["mm.input_projection.weight"] = (shapes["mm.input_projection.weight"][0], embd)
-    if str(g.get("clip.projector_type")) == "idefics3" and "mm.model.fc.weight" in shapes:
+    if kind == "idefics3" and "mm.model.fc.weight" in shapes:
         wanted["mm.model.fc.weight"] = (embd * merge * merge, shapes["mm.model.fc.weight"][-1])
     for tensor, shape in wanted.items():
         if tensor in shapes and tuple(shapes[tensor]) != shape:
             return f"tensor {tensor} has the shape {list(shapes[tensor])}, its sizes say {list(shape)}"
-    return _qwen_problem(g, shapes) if str(g.get("clip.projector_type")) in QWEN_VL else ""
+    if kind in GEMMA4:
+        return _gemma4_problem(g, shapes, embd, heads)
+    return _qwen_problem(g, shapes) if kind in QWEN_VL else ""
+
+
+def _gemma4_merge(g: GGUFInfo) -> int:
+    """Gemma 4's encoder patches a token's side holds: its pooling, or 1 where the patch itself is pooled."""
+    return 1 if _kind(g) == "gemma4uv" else max(int(g.get("clip.vision.projector.scale_factor", GEMMA4_POOL) or 1), 1)
+
+
+def _gemma4_problem(g: GGUFInfo, shapes: dict, embd: int, heads: int) -> str:
+    """Gemma 4's encoder reads its position tables without a check (a missing one is a null pointer, a short one
+    overruns at an image's widest row of patches) and multiplies its projection by the encoder's width."""
+    if int(g.get("clip.vision.projector.scale_factor", GEMMA4_POOL) or 0) <= 0:
+        return "clip.vision.projector.scale_factor is 0 (the patches pooled into a token)"
+    pos, least = tuple(shapes.get("v.position_embd.weight", ())), GEMMA4_TOKENS[1] * _gemma4_merge(g)
+    if len(pos) != 3 or pos[0] != embd or pos[2] != 2 or pos[1] < least:
+        found = list(pos) if pos else "missing"
+        return f"tensor v.position_embd.weight is {found}, not two tables (x, y) {embd} wide of {least} positions"
+    projection = tuple(shapes.get("mm.input_projection.weight", ()))
+    if len(projection) != 2 or projection[0] != embd:
+        found = list(projection) if projection else "missing"
+        return f"tensor mm.input_projection.weight is {found}, not {embd} wide at its input"
+    for i in range(int(g.get("clip.vision.block_count"))):
+        for norm in (f"v.blk.{i}.attn_q_norm.weight", f"v.blk.{i}.attn_k_norm.weight"):
+            if norm in shapes and tuple(shapes[norm]) not in ((embd // heads,), (embd,)):
+                return f"tensor {norm} is {list(shapes[norm])}, neither a head ({embd // heads}) nor {embd} wide"
+    return ""
 
 
 def _qwen_problem(g: GGUFInfo, shapes: dict) -> str:
@@ -131,11 +181,11 @@ def _qwen_problem(g: GGUFInfo, shapes: dict) -> str:
     the first image (SIGSEGV on a weight or bias it adds, SIGABRT on shapes that do not multiply), asserts on
     the sizes its rotary embedding and 2x2 merge take, or loops forever on a patch its windows cannot hold."""
     embd, heads = int(g.get("clip.vision.embedding_length")), int(g.get("clip.vision.attention.head_count"))
-    windowed = g.get("clip.projector_type") == "qwen2.5vl_merger"
+    windowed = _kind(g) == "qwen2.5vl_merger"
     problem = _qwen_sizes(g, embd, heads, windowed)
     if problem:
         return problem
-    qwen3 = g.get("clip.projector_type") == "qwen3vl_merger"
+    qwen3 = _kind(g) == "qwen3vl_merger"
     if not qwen3 and "v.patch_embd.bias" in shapes:
         return "it has a patch bias, which its encoder does not take"
     if len(shapes.get("mm.2.bias", ())) != 1:
@@ -268,10 +318,12 @@ def _compute(g: GGUFInfo) -> int:
     the encoder with flash attention where the backend has it: no attention scores held) and a fixed part.
     A SmolVLM-sized encoder (1,024 patches, 768 wide, 3,072 feed-forward): planned 38 MiB, clip.cpp reserved
     21 MiB on the CPU."""
-    kind = str(g.get("clip.projector_type"))
+    kind = _kind(g)
     patches = (int(g.get("clip.vision.image_size")) // max(int(g.get("clip.vision.patch_size")), 1)) ** 2
     if kind in QWEN_VL:  # images keep their size: the largest it takes
         patches = 4 * QWEN_MAX_TOKENS
+    if kind in GEMMA4:
+        patches = GEMMA4_TOKENS[1] * _gemma4_merge(g) ** 2
     embd = int(g.get("clip.vision.embedding_length"))
     # the tensors' width: Qwen2-VL's converter writes the text model's there, the first one 0
     ff = max((max(t.shape) for t in g.tensors if t.name == "v.blk.0.ffn_up.weight"),

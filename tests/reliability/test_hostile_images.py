@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import run_cli
+from tests.gemma4 import projector_parts as gemma4_parts
 from tests.ggufedit import edit_gguf, edit_tensors
 from tests.mmproj import make_projector, write_gguf
 from tests.qwen2vl import projector_parts
@@ -133,6 +134,29 @@ def test_a_damaged_qwen3_vl_projector_is_one_line_at_start(home, qwen3_dir, phot
     path = tmp_path / "mmproj-qwen3-damaged.gguf"
     write_gguf(str(path), kv, list(named.items()), raw_kv=raw)
     _refused_at_start(home, qwen3_dir / "qwen3vl-tiny.gguf", path, photo, tally)
+
+
+GEMMA4_PROJECTORS: dict[str, Callable[[dict, dict], object]] = {
+    "no position tables": lambda kv, t: t.pop("v.position_embd.weight"),  # SIGSEGV at the first image
+    # read past at an image more than 64 tokens wide (3,072 pixels); the test's photo is not: it would be taken
+    "position tables shorter than an image's widest row": lambda kv, t: t.update(
+        {"v.position_embd.weight": _zeros(2, 64, 32)}),
+    "position tables of another width": lambda kv, t: t.update(
+        {"v.position_embd.weight": _zeros(2, 10240, 16)}),  # SIGABRT
+    "a projection of another input width": lambda kv, t: t.update(
+        {"mm.input_projection.weight": _zeros(64, 16)}),  # SIGABRT
+}
+
+
+@pytest.mark.parametrize("name", list(GEMMA4_PROJECTORS))
+def test_a_damaged_gemma4_projector_is_one_line_at_start(home, gemma4_dir, photo, tmp_path, tally, name):
+    """Gemma 4's encoder reads its position tables and projection unchecked: refused before clip.cpp reads them."""
+    kv, tensors = gemma4_parts()
+    named = dict(tensors)
+    GEMMA4_PROJECTORS[name](kv, named)
+    path = tmp_path / "mmproj-gemma4-damaged.gguf"
+    write_gguf(str(path), kv, list(named.items()))
+    _refused_at_start(home, gemma4_dir / "gemma4-tiny.gguf", path, photo, tally)
 
 
 def _refused_at_start(home: Path, model: Path, projector: Path, photo: Path, tally) -> None:
