@@ -65,13 +65,13 @@ class Projector:
         if not M.mtmd_support_vision(self.ctx):
             self.close()
             raise ModelError(f"{path.name} has no vision encoder (an audio projector?); images need a vision one")
-        self.cap = cap if cap[1] and M.mtmd_decode_use_non_causal(self.ctx, None) else (0, 0)
-        if self.cap[1]:  # libmtmd sizes each image within the batch, rather than the attach refusing it
+        capped = bool(cap[1]) and bool(M.mtmd_decode_use_non_causal(self.ctx, None))
+        if capped:  # libmtmd sizes each image within the batch, rather than the attach refusing it
             self.close()
-            self.ctx = self._open(model_name, self.cap)
+            self.ctx = self._open(model_name, cap)
         self.mrope = bool(M.mtmd_decode_use_mrope(self.ctx))  # libmtmd's placement, from the text model
         # an image's layout and encoding depend on the budget too: the cache keeps each budget's apart
-        self.fingerprint = fingerprint(path) + (f":{self.cap[0]}-{self.cap[1]}" if self.cap[1] else "")
+        self.fingerprint = fingerprint(path) + (f":{cap[0]}-{cap[1]}" if capped else "")
         self.n_vocab = lc.llama_vocab_n_tokens(engine.vocab)
 
     def _open(self, model_name: str, cap: tuple[int, int] = (0, 0)) -> object:
