@@ -83,7 +83,8 @@ class Runtime:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one token takes in this context's KV cache (all layers, its K and V types)."""
-        return self.model.kv_bytes_per_token(self.engine.config.type_k, self.engine.config.type_v)
+        c = self.engine.config
+        return self.model.kv_bytes_per_token(c.type_k, c.type_v, flash_attn=c.flash_attn)
 
     def __enter__(self) -> Runtime:
         return self

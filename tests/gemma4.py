@@ -31,14 +31,18 @@ POS_SIZE = 10240  # Gemma 4's position_embedding_size
 
 
 def make_text_model(path: Path, demo: Path, seed: int = 0, layers: int = 2, window: int = 512,
-                    per_layer: int = 0, n_embd: int = N_EMBD) -> Path:
-    """layers: the last is full attention, the others slide (window); per_layer > 0 adds E2B/E4B's per-layer
-    inputs (n_embd_per_layer wide)."""
-    if layers < 2:
-        raise ValueError("llama.cpp's gemma4 KV reuse asserts n_layer_kv_from_start >= 2")
+                    per_layer: int = 0, n_embd: int = N_EMBD, swa: list[bool] | None = None, shared_kv: int = 0,
+                    full_heads: tuple[int, int] | None = None) -> Path:
+    """layers: the last is full attention, the others slide (window), or as `swa` says; per_layer > 0 adds
+    E2B/E4B's per-layer inputs (n_embd_per_layer wide); shared_kv: the last layers read an earlier layer's KV
+    (shared_kv_layers); full_heads: the full layers' own head size and key/value heads, as the 31B's
+    (global_head_dim 512 and 4 KV heads against the sliding layers' 256 and 16)."""
     rng = np.random.default_rng(seed)
     n_vocab, heads, kv_heads, ff = 49152, 4, 2, 2 * n_embd
     hd = n_embd // heads
+    swa = [i < layers - 1 for i in range(layers)] if swa is None else swa
+    hd_full, kv_full = full_heads or (hd, kv_heads)
+    head = [(hd, kv_heads) if s else (hd_full, kv_full) for s in swa]
 
     def w(*shape, std=None, dtype=np.float32):
         return (rng.standard_normal(shape) * (std or 1.0 / np.sqrt(shape[-1]))).astype(dtype)
@@ -47,27 +51,27 @@ def make_text_model(path: Path, demo: Path, seed: int = 0, layers: int = 2, wind
         return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     a = "gemma4"
-    swa = [i < layers - 1 for i in range(layers)]
     kv = {"general.architecture": a, "general.name": "random-gemma4", "general.file_type": 1,
           f"{a}.context_length": 8192, f"{a}.embedding_length": n_embd, f"{a}.block_count": layers,
           f"{a}.feed_forward_length": ff, f"{a}.attention.head_count": heads,
-          f"{a}.attention.head_count_kv": kv_heads, f"{a}.attention.layer_norm_rms_epsilon": 1e-6,
-          f"{a}.attention.key_length": hd, f"{a}.attention.value_length": hd,
+          f"{a}.attention.head_count_kv": [k for _, k in head] if full_heads else kv_heads,
+          f"{a}.attention.layer_norm_rms_epsilon": 1e-6,
+          f"{a}.attention.key_length": hd_full, f"{a}.attention.value_length": hd_full,
           f"{a}.attention.key_length_swa": hd, f"{a}.attention.value_length_swa": hd,
-          f"{a}.attention.sliding_window": window, f"{a}.attention.shared_kv_layers": 0,
+          f"{a}.attention.sliding_window": window, f"{a}.attention.shared_kv_layers": shared_kv,
           f"{a}.embedding_length_per_layer_input": per_layer,
           f"{a}.rope.freq_base": 1e6, f"{a}.rope.freq_base_swa": 1e4,
-          f"{a}.rope.dimension_count": hd, f"{a}.rope.dimension_count_swa": hd,
+          f"{a}.rope.dimension_count": hd_full, f"{a}.rope.dimension_count_swa": hd,
           f"{a}.final_logit_softcapping": 30.0}
-    n_rot = hd // 8  # proportional rope, partial_rotary_factor 0.25: the rest of the pairs unrotated
+    n_rot = hd_full // 8  # proportional rope, partial_rotary_factor 0.25: the rest of the pairs unrotated
     tensors = [("token_embd.weight", w(n_vocab, n_embd, std=0.5, dtype=np.float16)),
                ("output_norm.weight", norm(n_embd)),
-               ("rope_freqs.weight", np.array([1.0] * n_rot + [1e30] * (hd // 2 - n_rot), np.float32))]
+               ("rope_freqs.weight", np.array([1.0] * n_rot + [1e30] * (hd_full // 2 - n_rot), np.float32))]
     if per_layer:
         tensors += [("per_layer_token_embd.weight", w(n_vocab, per_layer * layers, std=0.5, dtype=np.float16)),
                     ("per_layer_model_proj.weight", w(per_layer * layers, n_embd)),
                     ("per_layer_proj_norm.weight", norm(per_layer))]
-    for i in range(layers):
+    for i, (hd, kv_heads) in enumerate(head):
         b = f"blk.{i}."
         tensors += [(b + "attn_norm.weight", norm(n_embd)),
                     (b + "attn_q.weight", w(heads * hd, n_embd)), (b + "attn_k.weight", w(kv_heads * hd, n_embd)),

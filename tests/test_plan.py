@@ -52,6 +52,46 @@ def test_plan_kv_matches_what_llama_cpp_allocates(demo_path, gemma_path, model, 
         engine.close()
 
 
+# Gemma 4's layouts (tests/gemma4.py), five sliding layers to a full one: the 31B's full layers with heads of
+# their own size and count, and E2B/E4B's last layers reading an earlier layer's KV (shared_kv_layers)
+FIVE_TO_ONE = [True, True, False, True, True, False]
+GEMMA4_LAYOUTS = {
+    "full layers with heads of their own": dict(layers=6, swa=FIVE_TO_ONE, full_heads=(64, 1)),
+    "shared KV layers": dict(layers=6, swa=FIVE_TO_ONE, shared_kv=3),
+}
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+@pytest.mark.parametrize("layout", list(GEMMA4_LAYOUTS))
+def test_plan_kv_of_gemma4s_layouts_matches_what_llama_cpp_allocates(demo_path, tmp_path, layout, flash_attn):
+    """Without flash attention llama.cpp widens every V row to the widest layer's; shared layers keep none."""
+    from tests.gemma4 import make_text_model
+    path = make_text_model(tmp_path / "gemma4.gguf", demo_path, **GEMMA4_LAYOUTS[layout])
+    info = model_info(path)
+    assert info.problem == ""
+    kw = dict(n_ctx=4096, flash_attn=flash_attn)
+    engine = make_engine(path, **kw)
+    try:
+        allocated = sum(engine.kv_buffers.values())  # read from llama.cpp's log, in MiB of 2 decimals
+        predicted = planmod.make_plan(dataclasses.replace(profiles.load("cpu"), **kw), info).kv_bytes
+        assert abs(predicted - allocated) / allocated < 0.01, (predicted, allocated)
+    finally:
+        engine.close()
+
+
+def test_a_gemma4_with_both_layouts_answers(demo_path, tmp_path, home):
+    """Its sliding layers' heads differ from its full layers' in size and count: once refused as damaged."""
+    from tests.gemma4 import make_text_model
+    path = make_text_model(tmp_path / "gemma4-31b-like.gguf", demo_path, layers=6, swa=FIVE_TO_ONE,
+                           full_heads=(64, 1), shared_kv=3)
+    stats = tmp_path / "stats.jsonl"
+    r = run_cli(["--model", str(path), "--max-tokens", "4", "--temperature", "0", "--no-session", "--stats-json",
+                 str(stats)], stdin="Hello\nAnd you?\n", env={"LOCALCHAT_HOME": str(home)})
+    assert r.returncode == 0, r.stderr
+    turns = [json.loads(line) for line in stats.read_text().splitlines()]
+    assert len(turns) == 2 and turns[1]["recomputed_tokens"] <= turns[1]["new_tokens"] + 1
+
+
 @pytest.fixture
 def llama3_8b(tmp_path):
     shape = llama_shape(n_layer=32, n_embd=4096, n_head=32, n_kv=8, n_ff=14336, n_vocab=128256, n_ctx_train=131072)
@@ -114,7 +154,8 @@ def _h200_shape(name: str) -> ModelInfo:
     kv, ff = (32, 11008) if name == "7b-mha" else (8, 14336)
     return ModelInfo(path=Path(name), name=name, arch="llama", n_params=0, quant="Q4_K_M", file_size=0,
                      n_ctx_train=131072, n_layer=32, n_embd=4096, n_head_kv=(kv,) * 32, head_dim_k=128,
-                     head_dim_v=128, n_swa=0, swa_layers=(False,) * 32, has_chat_template=True, tensor_bytes=0,
+                     head_dim_v=128, n_swa=0, swa_layers=(False,) * 32, head_dims_swa=(128, 128), kv_from=32,
+                     has_chat_template=True, tensor_bytes=0,
                      layer_bytes=(0,) * 32, output_bytes=0, n_vocab=49152, n_head=32, n_ff=ff)
 
 

@@ -108,7 +108,8 @@ def _h200_8b() -> ModelInfo:
     """The random-weight Llama-3-8B shape of the GPU runs (../shared/gpu/make_model.py, SmolLM2 vocabulary)."""
     return ModelInfo(path=Path("8b-gqa"), name="8b-gqa", arch="llama", n_params=0, quant="Q4_K_M", file_size=0,
                      n_ctx_train=32768, n_layer=32, n_embd=4096, n_head_kv=(8,) * 32, head_dim_k=128,
-                     head_dim_v=128, n_swa=0, swa_layers=(False,) * 32, has_chat_template=True, tensor_bytes=0,
+                     head_dim_v=128, n_swa=0, swa_layers=(False,) * 32, head_dims_swa=(128, 128), kv_from=32,
+                     has_chat_template=True, tensor_bytes=0,
                      layer_bytes=(0,) * 32, output_bytes=0, n_vocab=49152, n_head=32, n_ff=14336)
 
 

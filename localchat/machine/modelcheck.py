@@ -24,6 +24,8 @@ MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS
 ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")
 # architectures llama.cpp always runs with M-RoPE (its rope sections); glm4 and others only where sections are set
 M_ROPE = ("qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "qwen4exp", "qwen3tts")
+# llama.cpp's default sliding-window pattern per architecture, when the GGUF does not store one
+SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma-embedding": 6, "cohere2": 4, "gpt-oss": 2}
 DEEPSTACK = ("qwen3vl", "qwen3vlmoe")  # image rows wider than the text, a slice added after each of the first blocks
 BYTE_TOKENS_SPM = 128  # an SPM vocabulary spells unknown characters in <0x80>..<0xFF> byte tokens at least
 NUMBER_KEYS = ("block_count", "embedding_length", "context_length", "attention.head_count",
@@ -38,6 +40,18 @@ REMEDY = "the file is damaged or was made by an incompatible converter; re-downl
 def problem(g: GGUFInfo) -> str:
     """Why llama.cpp would abort on this file ("" when nothing found): the first broken rule."""
     return next(_problems(g), "")
+
+
+def sliding_layers(g: GGUFInfo, arch: str, n_layer: int) -> tuple[bool, ...]:
+    """Per layer: whether it holds only the sliding window (llama.cpp's set_swa_pattern, or the stored list)."""
+    window = g.get(f"{arch}.attention.sliding_window", 0)
+    pattern = g.get(f"{arch}.attention.sliding_window_pattern", SWA_PATTERNS.get(arch, 0))
+    if not (isinstance(window, int) and window > 0):
+        return (False,) * n_layer
+    if isinstance(pattern, list):
+        return tuple(bool(x) for x in (pattern + [False] * n_layer)[:n_layer])
+    p = pattern if isinstance(pattern, int) and not isinstance(pattern, bool) else 0
+    return tuple(p == 0 or (i % p < p - 1) for i in range(n_layer))
 
 
 def ignored(g: GGUFInfo) -> list[str]:
@@ -61,6 +75,7 @@ def _problems(g: GGUFInfo) -> Iterator[str]:
     yield from hp.experts()
     yield from hp.heads()
     yield from hp.sliding_window()
+    yield from hp.shared_kv()
     yield from hp.rope_and_norms()
     yield from hp.m_rope()
     yield from _vocabulary(g, arch)
@@ -131,9 +146,11 @@ class _Hparams:
         kv_at = _layers(kv, n_layer)
         dim_k = self._head_size() if heads_at[0] > 0 else n_embd
         dim_v = self._int("attention.value_length") or dim_k
-        for i in range(n_layer):
-            for tensor, want in ((f"blk.{i}.attn_k.weight", dim_k * kv_at[i]), (f"blk.{i}.attn_v.weight",
-                                                                               dim_v * kv_at[i])):
+        dims = {False: (dim_k, dim_v), True: (self._int("attention.key_length_swa") or dim_k,
+                                              self._int("attention.value_length_swa") or dim_v)}
+        for i, slides in enumerate(sliding_layers(self.g, self.arch, n_layer)):
+            k, v = dims[slides]  # Gemma 4's sliding layers have heads of their own size
+            for tensor, want in ((f"blk.{i}.attn_k.weight", k * kv_at[i]), (f"blk.{i}.attn_v.weight", v * kv_at[i])):
                 shape = self.tensors.get(tensor)
                 if shape is not None and len(shape) > 1 and shape[1] != want:
                     yield f"layer {i}'s head count ({kv_at[i]} key/value heads) does not match {tensor} {shape}"
@@ -147,6 +164,22 @@ class _Hparams:
             return
         if (isinstance(pattern, int) and pattern == 1) or (isinstance(pattern, list) and not any(pattern[:n_layer])):
             yield f"{self.arch}.attention.sliding_window is {window} but its pattern makes no layer slide"
+
+    def shared_kv(self) -> Iterator[str]:
+        """Gemma 4's last shared_kv_layers read the KV of the last sliding and the last full layer before them:
+        llama.cpp asserts at context creation that two layers keep their own and that those two are of each kind."""
+        n_layer, shared = self._int("block_count"), self._int("attention.shared_kv_layers")
+        if self.arch != "gemma4" or not 0 < n_layer <= MAX_LAYERS:
+            return
+        keep, name = n_layer - shared, f"{self.arch}.attention.shared_kv_layers"
+        if keep < 2:
+            yield f"{name} ({shared}) leaves fewer than 2 of its {n_layer} layers a KV of their own"
+            return
+        slides = sliding_layers(self.g, self.arch, n_layer)
+        if any(slides[keep:]) and not slides[keep - 2]:
+            yield f"{name} ({shared}): its sliding layers would read layer {keep - 2}'s KV, which does not slide"
+        elif not all(slides[keep:]) and slides[keep - 1]:
+            yield f"{name} ({shared}): its full layers would read layer {keep - 1}'s KV, which slides"
 
     def rope_and_norms(self) -> Iterator[str]:
         scaling = self.get("rope.scaling.type")

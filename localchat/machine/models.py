@@ -28,8 +28,7 @@ FILE_TYPES = {
 
 CANNOT_LOAD = "llama.cpp cannot load it"
 
-# llama.cpp's default sliding-window pattern per architecture, when the GGUF does not store one
-SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma-embedding": 6, "cohere2": 4, "gpt-oss": 2}
+GEMMA3N_KV_LAYERS = 20  # Gemma 3n's layers past these reuse their KV
 # architectures that only encode: sentence embeddings, never a reply
 ENCODERS = {"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "modern-bert", "neo-bert",
             "eurobert", "t5encoder", "gemma-embedding"}
@@ -51,6 +50,8 @@ class ModelInfo:
     head_dim_v: int
     n_swa: int  # sliding window size, 0 when none
     swa_layers: tuple[bool, ...]  # per layer: holds only the window
+    head_dims_swa: tuple[int, int]  # the sliding layers' K and V head sizes (Gemma 4's differ from the full ones')
+    kv_from: int  # layers from here on read an earlier layer's KV and keep none (Gemma 3n/4); n_layer: none do
     has_chat_template: bool
     tensor_bytes: int
     layer_bytes: tuple[int, ...]  # weight bytes per repeating layer (blk.N.*)
@@ -75,14 +76,24 @@ class ModelInfo:
         if self.problem:
             raise ModelError(f"{self.path.name}: {self.problem}")
 
-    def kv_layer_bytes(self, type_k: str = "f16", type_v: str = "f16") -> list[float]:
-        """Bytes one KV cell (one token) takes in each layer."""
-        bk, bv = KV_TYPE_BYTES[type_k], KV_TYPE_BYTES[type_v]
-        return [h * (self.head_dim_k * bk + self.head_dim_v * bv) for h in self.n_head_kv]
+    def kv_widths(self) -> list[tuple[int, int]]:
+        """K and V values one token keeps in each layer, as llama.cpp sizes them (hparams.n_embd_k_gqa)."""
+        dims = {False: (self.head_dim_k, self.head_dim_v), True: self.head_dims_swa}
+        return [(h * dims[s][0], h * dims[s][1]) for h, s in zip(self.n_head_kv, self.swa_layers)]
 
-    def kv_bytes_per_token(self, type_k: str = "f16", type_v: str = "f16", swa: bool | None = None) -> int:
+    def kv_layer_bytes(self, type_k: str = "f16", type_v: str = "f16", flash_attn: bool = True) -> list[float]:
+        """Bytes one KV cell (one token) takes in each layer: none in a layer that reads another's; without flash
+        attention V is stored transposed and every layer's V row is as wide as the widest (llama-kv-cache.cpp)."""
+        bk, bv = KV_TYPE_BYTES[type_k], KV_TYPE_BYTES[type_v]
+        widths = self.kv_widths()
+        v_max = max((v for _, v in widths), default=0)
+        return [(k * bk + (v if flash_attn else v_max) * bv) if i < self.kv_from else 0.0
+                for i, (k, v) in enumerate(widths)]
+
+    def kv_bytes_per_token(self, type_k: str = "f16", type_v: str = "f16", swa: bool | None = None,
+                           flash_attn: bool = True) -> int:
         """KV bytes per token over all layers, or over the sliding (swa=True) / global (False) ones."""
-        layers = self.kv_layer_bytes(type_k, type_v)
+        layers = self.kv_layer_bytes(type_k, type_v, flash_attn)
         return round(sum(b for b, s in zip(layers, self.swa_layers) if swa is None or s == swa))
 
     def swa_cells(self, n_ctx: int, n_ubatch: int, swa_full: bool) -> int:
@@ -91,9 +102,10 @@ class ModelInfo:
             return n_ctx
         return min(n_ctx, -(-(min(n_ctx, self.n_swa + n_ubatch)) // 256) * 256)
 
-    def kv_bytes(self, n_ctx: int, type_k: str, type_v: str, n_ubatch: int = 512, swa_full: bool = False) -> int:
-        full = self.kv_bytes_per_token(type_k, type_v, swa=False)
-        window = self.kv_bytes_per_token(type_k, type_v, swa=True)
+    def kv_bytes(self, n_ctx: int, type_k: str, type_v: str, n_ubatch: int = 512, swa_full: bool = False,
+                 flash_attn: bool = True) -> int:
+        full = self.kv_bytes_per_token(type_k, type_v, swa=False, flash_attn=flash_attn)
+        window = self.kv_bytes_per_token(type_k, type_v, swa=True, flash_attn=flash_attn)
         return full * n_ctx + window * self.swa_cells(n_ctx, n_ubatch, swa_full)
 
 
@@ -127,14 +139,9 @@ def _describe(g: GGUFInfo, arch: str, problem: str) -> ModelInfo:
     head_dim_k = int(a("attention.key_length", n_embd // max(n_head0, 1)))
     head_dim_v = int(a("attention.value_length", head_dim_k))
     n_swa = int(a("attention.sliding_window", 0) or 0)
-    pattern = a("attention.sliding_window_pattern", SWA_PATTERNS.get(arch, 0))
-    if not n_swa:
-        swa_layers = (False,) * n_layer
-    elif isinstance(pattern, list):
-        swa_layers = tuple(bool(x) for x in pattern[:n_layer])
-    else:
-        p = int(pattern)
-        swa_layers = tuple(p == 0 or (i % p < p - 1) for i in range(n_layer))
+    swa_layers = modelcheck.sliding_layers(g, arch, n_layer)
+    head_dim_k_swa = int(a("attention.key_length_swa", head_dim_k))
+    head_dims_swa = (head_dim_k_swa, int(a("attention.value_length_swa", head_dim_v)))
     layer_bytes = [0] * n_layer
     total = 0
     for t in g.tensors:
@@ -159,13 +166,24 @@ def _describe(g: GGUFInfo, arch: str, problem: str) -> ModelInfo:
         n_params=sum(t.n_elements for t in g.tensors), quant=quant, file_size=g.file_size,
         n_ctx_train=int(a("context_length", 0) or 0), n_layer=n_layer, n_embd=n_embd,
         n_head_kv=n_head_kv, head_dim_k=head_dim_k, head_dim_v=head_dim_v, n_swa=n_swa,
-        swa_layers=swa_layers, has_chat_template=bool(_text(g.get("tokenizer.chat_template"))),
+        swa_layers=swa_layers, head_dims_swa=head_dims_swa, kv_from=_kv_from(g, arch, n_layer),
+        has_chat_template=bool(_text(g.get("tokenizer.chat_template"))),
         tensor_bytes=total, layer_bytes=tuple(layer_bytes), output_bytes=output,
         n_vocab=g.array_lengths.get("tokenizer.ggml.tokens", 0), n_head=n_head0,
         n_ff=int((lambda v: max(v) if isinstance(v, list) else v)(a("feed_forward_length", 0)) or 0),
         notices=tuple(modelcheck.ignored(g)),
         problem=problem, pooling=int(a("pooling_type", 0) or 0),
     )
+
+
+def _kv_from(g: GGUFInfo, arch: str, n_layer: int) -> int:
+    """The first layer that keeps no KV of its own: Gemma 3n's 21st (fixed in llama.cpp), Gemma 4's first of its
+    shared_kv_layers (llama.cpp's models/gemma3n.cpp and gemma4.cpp)."""
+    if arch == "gemma3n":
+        return min(GEMMA3N_KV_LAYERS, n_layer)
+    if arch == "gemma4":
+        return max(n_layer - int(g.get("gemma4.attention.shared_kv_layers", 0) or 0), 0)
+    return n_layer
 
 
 def _text(value: object) -> str:

@@ -63,7 +63,8 @@ def layer_devices(n_layer: int, n_gpu_layers: int, shares: list[float]) -> list[
     return out
 
 
-def kv_on(m: ModelInfo, layers: list[int], n_ctx: int, type_k: str, type_v: str, swa_cells: int) -> int:
+def kv_on(m: ModelInfo, layers: list[int], n_ctx: int, type_k: str, type_v: str, swa_cells: int,
+          flash_attn: bool) -> int:
     """KV bytes of the given layers at n_ctx (sliding-window layers hold their window's cells)."""
-    per = m.kv_layer_bytes(type_k, type_v)
+    per = m.kv_layer_bytes(type_k, type_v, flash_attn)
     return round(sum(per[i] * (swa_cells if m.swa_layers[i] else n_ctx) for i in layers))

@@ -153,7 +153,7 @@ def _compute_bytes(m: ModelInfo, p: Profile, n_ctx: int, type_k: str, gpu: bool,
         return logits + ub * 4 * m.n_embd  # measured on the CPU backend: logits + two embedding rows
     ffn = ub * 4 * 3 * (m.n_ff + m.n_embd) + ub * 2 * n_ctx  # with the f16 KQ mask
     # a quantized KV is converted to f16 for the flash-attention kernel, one layer's K and V at a time
-    kv_width = 2 * (m.head_dim_k + m.head_dim_v) * max(m.n_head_kv, default=0)
+    kv_width = 2 * max((k + v for k, v in m.kv_widths()), default=0)
     converted = ub * 4 * 4 * m.n_embd + n_ctx * (ub * 2 + kv_width) if type_k in QUANTIZED else 0
     return max(logits, ffn, converted)
 
@@ -238,7 +238,7 @@ def _uses(p: Profile, m: ModelInfo, cards: list[Card], n_ctx: int, type_k: str, 
             compute += (PIPELINE_COPIES - 1) * ub * 2 * n_ctx + PIPELINE_COPIES * ub * 4 * m.n_embd
         if d == 0:  # libmtmd puts a vision projector on the first device
             compute += m.projector_bytes
-        kv = kv_on(m, mine, n_ctx, type_k, type_v, cells)
+        kv = kv_on(m, mine, n_ctx, type_k, type_v, cells, p.flash_attn)
         out.append(CardUse(card.name, len(mine), output, weights, kv, compute))
     return out
 
@@ -271,7 +271,7 @@ def _host_parts(p: Profile, m: ModelInfo, uses: list[CardUse], n_ctx: int, type_
     that went to a device besides), the KV of the layers left on the CPU, and llama.cpp's host buffers."""
     offloaded = sum(u.weights for u in uses)
     copy = m.output_bytes if any(u.output for u in uses) and tied_output(m) else 0
-    kv = m.kv_bytes(n_ctx, type_k, type_v, p.n_ubatch, p.swa_full) - sum(u.kv for u in uses)
+    kv = m.kv_bytes(n_ctx, type_k, type_v, p.n_ubatch, p.swa_full, p.flash_attn) - sum(u.kv for u in uses)
     return m.tensor_bytes - offloaded + copy, max(kv, 0), _host_buffers(p, m, uses, n_ctx, type_k)
 
 
@@ -312,7 +312,7 @@ def make_plan(p: Profile, m: ModelInfo, n_ctx: int | None = None, free: int = 0,
     if n_ctx is None:
         n_ctx = largest_ctx(p, m, p.type_k, p.type_v, cards=cards) if p.n_ctx == "auto" else int(p.n_ctx)
     n_ctx = -(-n_ctx // CTX_STEP) * CTX_STEP  # llama.cpp pads the context to 256
-    kv = m.kv_bytes(n_ctx, p.type_k, p.type_v, p.n_ubatch, p.swa_full)
+    kv = m.kv_bytes(n_ctx, p.type_k, p.type_v, p.n_ubatch, p.swa_full, p.flash_attn)
     uses = _uses(p, m, cards, n_ctx, p.type_k, p.type_v)
     rows = _device_rows(p, m, cards, uses)
     gpu, local = bool(cards), sum(c.local for c in cards)
@@ -326,8 +326,8 @@ def make_plan(p: Profile, m: ModelInfo, n_ctx: int | None = None, free: int = 0,
         type_k=p.type_k, type_v=p.type_v, layers_total=m.n_layer + 1,
         layers_gpu=_layers_on_gpu(p, m) if gpu else 0,
         weights_gpu_bytes=weights_gpu, weights_cpu_bytes=host_weights,
-        kv_bytes_per_token=m.kv_bytes_per_token(p.type_k, p.type_v),
-        kv_bytes_per_token_swa=m.kv_bytes_per_token(p.type_k, p.type_v, swa=True),
+        kv_bytes_per_token=m.kv_bytes_per_token(p.type_k, p.type_v, flash_attn=p.flash_attn),
+        kv_bytes_per_token_swa=m.kv_bytes_per_token(p.type_k, p.type_v, swa=True, flash_attn=p.flash_attn),
         kv_cells_swa=m.swa_cells(n_ctx, p.n_ubatch, p.swa_full) if m.n_swa else 0,
         kv_bytes=kv, kv_gpu_bytes=sum(u.kv for u in uses), compute_bytes=compute,
         total_gpu_bytes=sum(r.total_bytes for r in rows),

@@ -114,6 +114,23 @@ def test_a_damaged_qwen3_vl_model_is_one_line_with_its_reason(home, demo_path, t
     _one_line(home, make_text_model(tmp_path / "qwen3vl-damaged.gguf", demo_path, kv_extra=changes), reason, tally)
 
 
+# a Gemma 4's shared KV layers (tests/gemma4.py) that llama.cpp asserts on when it makes the context (SIGABRT)
+GEMMA4_MUTANTS = {
+    "shared layers leaving one with a KV": (dict(layers=3, shared_kv=2), "leaves fewer than 2 of its 3 layers"),
+    "shared sliding layers reading a full one": (dict(layers=6, swa=[True, True, False, True, True, False],
+                                                      shared_kv=2), "would read layer 2's KV, which does not slide"),
+    "shared full layers reading a sliding one": (dict(layers=4, swa=[False, True, True, False], shared_kv=1),
+                                                 "would read layer 2's KV, which slides"),
+}
+
+
+@pytest.mark.parametrize("name", list(GEMMA4_MUTANTS))
+def test_a_damaged_gemma4_model_is_one_line_with_its_reason(home, demo_path, tmp_path, tally, name):
+    from tests.gemma4 import make_text_model
+    layout, reason = GEMMA4_MUTANTS[name]
+    _one_line(home, make_text_model(tmp_path / "gemma4-damaged.gguf", demo_path, **layout), reason, tally)
+
+
 def _one_line(home: Path, path: Path, reason: str, tally) -> None:
     """Started with the file and a line to answer: one line naming it and the reason, exit 2, within bounds."""
     code, err, took, peak = run_measured(["--model", str(path), "--max-tokens", "4"], {"LOCALCHAT_HOME": str(home)})
