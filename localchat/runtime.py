@@ -324,7 +324,7 @@ def open_projector(profile: Profile, info: ModelInfo, left_out: str, chat: Chat,
                              "localchat is not tested with: Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's projectors are")
         try:
             config = chat.engine.config
-            cap = image_token_cap(info.projector_kind, min(config.n_ubatch, config.n_batch))
+            cap = image_token_cap(info.projector_kind, min(config.n_ubatch, config.n_batch), info.n_embd)
             chat.vision = Projector(info.projector, chat.engine, info.name, cap)
         except OSError as exc:  # unreadable while it is fingerprinted
             raise ModelError(f"{info.projector.name} cannot be read: {exc.strerror or exc}") from None

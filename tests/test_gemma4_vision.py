@@ -49,7 +49,7 @@ def test_a_photo_of_more_tokens_than_the_batch_is_sized_within_it_as_libmtmd_wou
     finally:
         plain.close()
         engine.close()
-    cap = image_token_cap("gemma4v", 128)
+    cap = image_token_cap("gemma4v", 128, 64)
     assert cap == (70, 128)
     r = ours_and_libmtmds(model, projector, photo, 128, cap=cap)
     assert GEMMA4_TOKENS[0] <= r["image"].image_tokens <= 128
@@ -73,3 +73,24 @@ def test_a_gemma4_chat_reads_a_photo_within_its_batch_and_the_next_turn_evaluate
     again, st2 = chat(gemma4_dir / "gemma4-tiny.gguf", tmp_path, "g4b", "What is in the picture?\n",
                       "--profile", str(profile), "--attach", str(photo), "--session", "other")
     assert st2[0]["image_encoded"] == 0  # the same budget's encoding, from the disk cache
+
+
+@pytest.mark.parametrize("pair", ["gemma4", "qwen2vl"])
+def test_the_projector_is_opened_once_where_libmtmds_rule_is_known_before(gemma4_dir, qwen_dir, pair, monkeypatch):
+    """Gemma 4's larger models' images see each other (libmtmd says so only once the projector is open): opened
+    with the budget at once. A budget handed to a projector whose images are causal is dropped, opening it again."""
+    from localchat.engine import vision
+    folder, arch = (gemma4_dir, "gemma4") if pair == "gemma4" else (qwen_dir, "qwen2vl")
+    opened = []
+    real_open = vision.M.mtmd_init_from_file
+    monkeypatch.setattr(vision.M, "mtmd_init_from_file", lambda *a: opened.append(a[2].image_max_tokens) or real_open(*a))
+    engine = make_engine(folder / f"{arch}-tiny.gguf", n_threads=THREADS, n_batch=128, n_ubatch=128)
+    projector = vision.Projector(folder / f"mmproj-{arch}-tiny-f32.gguf", engine, arch, cap=(70, 128))
+    try:
+        if pair == "gemma4":
+            assert opened == [128] and projector.fingerprint.endswith(":70-128")
+        else:
+            assert opened == [128, -1] and ":70-128" not in projector.fingerprint
+    finally:
+        projector.close()
+        engine.close()

@@ -54,21 +54,22 @@ class Projector:
 
     def __init__(self, path: Path, engine: Engine, model_name: str, cap: tuple[int, int] = (0, 0)):
         """`cap`: the least and most tokens of an image whose positions see each other (evaluated in one batch),
-        where the projector sizes images to a budget larger than the batch (0, 0: its own budget)."""
+        where the projector sizes images to a budget larger than the batch (0, 0: its own budget); opened with it,
+        and again without where libmtmd says this model's images are causal after all (one load, not two)."""
         self.path, self.engine, self.name = path, engine, path.name
         if M is None:
             raise ModelError(f"{path.name} cannot be used: this llama-cpp-python was built without libmtmd "
                              "(LLAVA_BUILD off), which images need")
         M.mtmd_log_set(log_callback(), None)
         M.mtmd_helper_log_set(log_callback(), None)
-        self.ctx = self._open(model_name)
+        self.ctx = self._open(model_name, cap)  # libmtmd sizes each image within the batch, not the attach refusing it
         if not M.mtmd_support_vision(self.ctx):
             self.close()
             raise ModelError(f"{path.name} has no vision encoder (an audio projector?); images need a vision one")
         capped = bool(cap[1]) and bool(M.mtmd_decode_use_non_causal(self.ctx, None))
-        if capped:  # libmtmd sizes each image within the batch, rather than the attach refusing it
+        if cap[1] and not capped:  # its images are causal: the projector's own budget
             self.close()
-            self.ctx = self._open(model_name, cap)
+            self.ctx = self._open(model_name)
         self.mrope = bool(M.mtmd_decode_use_mrope(self.ctx))  # libmtmd's placement, from the text model
         # an image's layout and encoding depend on the budget too: the cache keeps each budget's apart
         self.fingerprint = fingerprint(path) + (f":{cap[0]}-{cap[1]}" if capped else "")

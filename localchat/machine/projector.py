@@ -25,6 +25,7 @@ QWEN_MAX_PATCH = 56  # Qwen2.5-VL's window of 112 pixels holds no merged patch p
 GEMMA4 = ("gemma4v", "gemma4uv")  # the unified variant pools its patches in its convolution, the other after
 GEMMA4_POOL = 3  # patches a side pooled into a token, where the file names none
 GEMMA4_TOKENS = (70, 1120)  # clip.cpp's least and most tokens a Gemma 4 image takes
+GEMMA4_CAUSAL_WIDTHS = (1536, 2560)  # E2B's and E4B's text widths: their image tokens are causal (mtmd.cpp)
 SHARED_START = 6  # characters two names share at their start to be taken as one model's files
 ENCODER_FIXED = 8 << 20  # clip.cpp's graph and input staging beside the activations
 REQUIRED = ("clip.vision.image_size", "clip.vision.patch_size", "clip.vision.embedding_length",
@@ -108,10 +109,13 @@ def _kind(g: GGUFInfo) -> str:
     return str(g.get("clip.projector_type") or g.get("clip.vision.projector_type") or "")
 
 
-def image_token_cap(kind: str, batch: int) -> tuple[int, int]:
+def image_token_cap(kind: str, batch: int, n_embd_text: int) -> tuple[int, int]:
     """The least and most tokens an image may take where the projector sizes images to a budget of its own and
     their positions see each other (evaluated in one batch): within the batch, so that every image fits one;
-    (0, 0) keeps the projector's own budget."""
+    (0, 0) keeps the projector's own budget. Whether they see each other is libmtmd's rule, known here before the
+    projector is opened (vision.Projector checks it once it is)."""
+    if kind == "gemma4v" and n_embd_text in GEMMA4_CAUSAL_WIDTHS:
+        return 0, 0
     least, most = GEMMA4_TOKENS if kind in GEMMA4 else (0, 0)
     return (min(least, batch), batch) if 0 < batch < most else (0, 0)
 
