@@ -15,7 +15,7 @@
 #   bash scripts/gpu_final.sh gap34 OUTDIR     # the 8B shape: bench --decode against llama-bench (its first step
 #                                               # apart), decode_gap.py at both workloads' depths
 #   bash scripts/gpu_final.sh images OUTDIR    # the 8B shape with a random projector: an image's first and cached use
-#   bash scripts/gpu_final.sh mrope OUTDIR     # the tiny model only: Qwen-VL's M-RoPE image placement against libmtmd
+#   bash scripts/gpu_final.sh mrope OUTDIR     # tiny models only: Qwen-VL's M-RoPE and Gemma 4's image placement against libmtmd
 #   bash scripts/gpu_final.sh split OUTDIR     # two GPUs (nvidia-h200-x2): the 8B shape on one GPU, split by layer
 #                                               # and by row: plan per device, tokens, speeds, a session moved
 # A phase finds the build and the models of an earlier one on the same machine, else makes them.
@@ -126,7 +126,7 @@ case $PHASE in
       > "$OUT/image-cost-8b.json" 2> "$OUT/image-cost-8b.err"; head -12 "$OUT/image-cost-8b.json"; tail -3 "$OUT/image-cost-8b.err"
     echo "images at $(( $(date +%s) - t0 )) s"
     ;;
-  mrope)  # Qwen-VL's M-RoPE placement on the card: the engine against libmtmd's own evaluation (#36)
+  mrope)  # Qwen-VL's M-RoPE and Gemma 4's placement on the card: the engine against libmtmd's own evaluation (#36)
     timeout 120 python3 scripts/mrope_check.py .gpu/vocab-smollm2.gguf --gpu-layers -1 | tee "$OUT/mrope-check.jsonl"
     echo "mrope at $(( $(date +%s) - t0 )) s"
     ;;
