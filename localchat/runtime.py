@@ -266,7 +266,8 @@ def draft_need(profile: Profile, plan: MemoryPlan, report: Report) -> tuple[Mode
     compute buffers) and the room the plan leaves on the card (0 on a CPU profile: no card to fit)."""
     info = models.model_info(models.resolve(profile.draft_model, report))
     info.check_loadable()
-    need = info.file_size + plan.n_ctx * info.kv_bytes_per_token() + DRAFT_COMPUTE
+    kv = info.kv_bytes(plan.n_ctx, "f16", "f16", profile.n_ubatch, profile.swa_full, profile.flash_attn)
+    need = info.file_size + kv + DRAFT_COMPUTE
     room = sum(d.room_bytes - d.total_bytes for d in plan.devices)
     return info, need, room
 

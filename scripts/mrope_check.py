@@ -23,7 +23,6 @@ import llama_cpp  # noqa: E402, F401  (libllama loaded before Pillow)
 from localchat.machine.projector import image_token_cap  # noqa: E402
 from tests import gemma4, qwen2vl, qwen3vl  # noqa: E402
 
-
 PAIRS = {"qwen2vl": (qwen2vl, (512, 5)), "qwen3vl": (qwen3vl, (512, 5)), "gemma4": (gemma4, (512, 96))}
 
 

@@ -51,6 +51,9 @@ def test_a_photo_of_more_tokens_than_the_batch_is_sized_within_it_as_libmtmd_wou
         engine.close()
     cap = image_token_cap("gemma4v", 128, 64)
     assert cap == (70, 128)
+    # E2B's and E4B's images are causal (libmtmd's rule on the text width): their own budget, in several batches
+    assert image_token_cap("gemma4v", 128, 1536) == image_token_cap("gemma4v", 128, 2560) == (0, 0)
+    assert image_token_cap("gemma4uv", 128, 1536) == (70, 128)
     r = ours_and_libmtmds(model, projector, photo, 128, cap=cap)
     assert GEMMA4_TOKENS[0] <= r["image"].image_tokens <= 128
     assert int(np.argmax(r["ours"])) == int(np.argmax(r["theirs"]))

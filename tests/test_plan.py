@@ -52,12 +52,12 @@ def test_plan_kv_matches_what_llama_cpp_allocates(demo_path, gemma_path, model, 
         engine.close()
 
 
-# Gemma 4's layouts (tests/gemma4.py), five sliding layers to a full one: the 31B's full layers with heads of
+# Gemma 4's layouts (tests/gemma4.py), two sliding layers to a full one: the 31B's full layers with heads of
 # their own size and count, and E2B/E4B's last layers reading an earlier layer's KV (shared_kv_layers)
-FIVE_TO_ONE = [True, True, False, True, True, False]
+TWO_TO_ONE = [True, True, False, True, True, False]
 GEMMA4_LAYOUTS = {
-    "full layers with heads of their own": dict(layers=6, swa=FIVE_TO_ONE, full_heads=(64, 1)),
-    "shared KV layers": dict(layers=6, swa=FIVE_TO_ONE, shared_kv=3),
+    "full layers with heads of their own": dict(layers=6, swa=TWO_TO_ONE, full_heads=(64, 1)),
+    "shared KV layers": dict(layers=6, swa=TWO_TO_ONE, shared_kv=3),
 }
 
 
@@ -82,7 +82,7 @@ def test_plan_kv_of_gemma4s_layouts_matches_what_llama_cpp_allocates(demo_path, 
 def test_a_gemma4_with_both_layouts_answers(demo_path, tmp_path, home):
     """Its sliding layers' heads differ from its full layers' in size and count: once refused as damaged."""
     from tests.gemma4 import make_text_model
-    path = make_text_model(tmp_path / "gemma4-31b-like.gguf", demo_path, layers=6, swa=FIVE_TO_ONE,
+    path = make_text_model(tmp_path / "gemma4-31b-like.gguf", demo_path, layers=6, swa=TWO_TO_ONE,
                            full_heads=(64, 1), shared_kv=3)
     stats = tmp_path / "stats.jsonl"
     r = run_cli(["--model", str(path), "--max-tokens", "4", "--temperature", "0", "--no-session", "--stats-json",
@@ -90,6 +90,21 @@ def test_a_gemma4_with_both_layouts_answers(demo_path, tmp_path, home):
     assert r.returncode == 0, r.stderr
     turns = [json.loads(line) for line in stats.read_text().splitlines()]
     assert len(turns) == 2 and turns[1]["recomputed_tokens"] <= turns[1]["new_tokens"] + 1
+
+
+def test_a_gemma3n_plan_counts_the_kv_of_its_first_20_layers_only(tmp_path):
+    """llama.cpp fixes it (gemma3n.cpp): the 10 layers past them read an earlier layer's KV. E4B's header: 35
+    layers, 2 KV heads of 256, sliding ones 4 in 5 (llama.cpp's default pattern), a window of 512."""
+    a = "gemma3n"
+    header = {"general.architecture": a, f"{a}.block_count": 35, f"{a}.embedding_length": 2048,
+              f"{a}.context_length": 32768, f"{a}.attention.head_count": 8, f"{a}.attention.head_count_kv": 2,
+              f"{a}.attention.key_length": 256, f"{a}.attention.value_length": 256,
+              f"{a}.attention.sliding_window": 512}
+    info = model_info(write_gguf(tmp_path / "gemma3n-e4b.gguf", header, []))
+    assert info.kv_from == 20 and sum(info.swa_layers) == 28
+    per_layer = 2 * 2 * 256 * 2  # K and V, 2 heads of 256, f16
+    assert info.kv_bytes_per_token(swa=False) == 4 * per_layer  # layers 4, 9, 14 and 19
+    assert info.kv_bytes_per_token(swa=True) == 16 * per_layer
 
 
 @pytest.fixture

@@ -24,8 +24,13 @@ MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS
 ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")
 # architectures llama.cpp always runs with M-RoPE (its rope sections); glm4 and others only where sections are set
 M_ROPE = ("qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "qwen4exp", "qwen3tts")
-# llama.cpp's default sliding-window pattern per architecture, when the GGUF does not store one
-SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma-embedding": 6, "cohere2": 4, "gpt-oss": 2}
+# llama.cpp's default sliding-window pattern per architecture, when the GGUF does not store one (load_swa_pattern)
+SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma-embedding": 6, "gemma3n": 5, "cohere2": 4, "cohere2moe": 4,
+                "gpt-oss": 2, "afmoe": 4, "exaone4": 4, "exaone-moe": 4, "laguna": 4, "llama4": 4, "mellum": 4,
+                "modern-bert": 3, "muse-glimmer": 4, "olmo2": 4, "plamo3": 8, "smallthinker": 4}
+DENSE_FIRST = ("cohere2moe", "laguna", "modern-bert", "smallthinker")  # a full layer opens each period, not ends it
+SHARED_KV = ("gemma3n", "gemma4")  # their last layers read an earlier layer's KV; llama.cpp always slides them
+GEMMA3N_KV_LAYERS = 20  # Gemma 3n's layers past these read their KV (fixed in llama.cpp's gemma3n.cpp)
 DEEPSTACK = ("qwen3vl", "qwen3vlmoe")  # image rows wider than the text, a slice added after each of the first blocks
 BYTE_TOKENS_SPM = 128  # an SPM vocabulary spells unknown characters in <0x80>..<0xFF> byte tokens at least
 NUMBER_KEYS = ("block_count", "embedding_length", "context_length", "attention.head_count",
@@ -51,7 +56,18 @@ def sliding_layers(g: GGUFInfo, arch: str, n_layer: int) -> tuple[bool, ...]:
     if isinstance(pattern, list):
         return tuple(bool(x) for x in (pattern + [False] * n_layer)[:n_layer])
     p = pattern if isinstance(pattern, int) and not isinstance(pattern, bool) else 0
+    if arch in DENSE_FIRST:
+        return tuple(p == 0 or i % p != 0 for i in range(n_layer))
     return tuple(p == 0 or (i % p < p - 1) for i in range(n_layer))
+
+
+def kv_from(g: GGUFInfo, arch: str, n_layer: int) -> int:
+    """The first layer that keeps no KV of its own (llama.cpp's n_layer_kv_from_start; n_layer where all keep one):
+    Gemma 3n's 21st, Gemma 4's first of its shared_kv_layers."""
+    if arch == "gemma3n":
+        return GEMMA3N_KV_LAYERS
+    shared = g.get(f"{arch}.attention.shared_kv_layers", 0)
+    return n_layer - shared if arch == "gemma4" and isinstance(shared, int) else n_layer
 
 
 def ignored(g: GGUFInfo) -> list[str]:
@@ -166,20 +182,25 @@ class _Hparams:
             yield f"{self.arch}.attention.sliding_window is {window} but its pattern makes no layer slide"
 
     def shared_kv(self) -> Iterator[str]:
-        """Gemma 4's last shared_kv_layers read the KV of the last sliding and the last full layer before them:
-        llama.cpp asserts at context creation that two layers keep their own and that those two are of each kind."""
-        n_layer, shared = self._int("block_count"), self._int("attention.shared_kv_layers")
-        if self.arch != "gemma4" or not 0 < n_layer <= MAX_LAYERS:
+        """Gemma 3n's and 4's last layers read the KV of the last sliding and the last full layer before them:
+        llama.cpp asserts at context creation that two layers keep their own and that those two are of each kind
+        (its window always used: none leaves its sliding layers nothing to read)."""
+        n_layer, window = self._int("block_count"), self._int("attention.sliding_window")
+        if self.arch not in SHARED_KV or not 0 < n_layer <= MAX_LAYERS or not self.has("attention.sliding_window"):
             return
-        keep, name = n_layer - shared, f"{self.arch}.attention.shared_kv_layers"
+        if window <= 0:
+            yield f"{self.arch}.attention.sliding_window is {window}; its sliding layers need a window"
+            return
+        keep = kv_from(self.g, self.arch, n_layer)
         if keep < 2:
-            yield f"{name} ({shared}) leaves fewer than 2 of its {n_layer} layers a KV of their own"
+            yield (f"{self.arch}.attention.shared_kv_layers ({n_layer - keep}) leaves fewer than 2 of its {n_layer} "
+                   "layers a KV of their own")
             return
-        slides = sliding_layers(self.g, self.arch, n_layer)
+        slides, shared = sliding_layers(self.g, self.arch, n_layer), f"its layers {keep} to {n_layer - 1}"
         if any(slides[keep:]) and not slides[keep - 2]:
-            yield f"{name} ({shared}): its sliding layers would read layer {keep - 2}'s KV, which does not slide"
+            yield f"{shared} would read their sliding window from layer {keep - 2}'s KV, which does not slide"
         elif not all(slides[keep:]) and slides[keep - 1]:
-            yield f"{name} ({shared}): its full layers would read layer {keep - 1}'s KV, which slides"
+            yield f"{shared} would read their full attention from layer {keep - 1}'s KV, which slides"
 
     def rope_and_norms(self) -> Iterator[str]:
         scaling = self.get("rope.scaling.type")

@@ -28,7 +28,6 @@ FILE_TYPES = {
 
 CANNOT_LOAD = "llama.cpp cannot load it"
 
-GEMMA3N_KV_LAYERS = 20  # Gemma 3n's layers past these reuse their KV
 # architectures that only encode: sentence embeddings, never a reply
 ENCODERS = {"bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "modern-bert", "neo-bert",
             "eurobert", "t5encoder", "gemma-embedding"}
@@ -166,7 +165,7 @@ def _describe(g: GGUFInfo, arch: str, problem: str) -> ModelInfo:
         n_params=sum(t.n_elements for t in g.tensors), quant=quant, file_size=g.file_size,
         n_ctx_train=int(a("context_length", 0) or 0), n_layer=n_layer, n_embd=n_embd,
         n_head_kv=n_head_kv, head_dim_k=head_dim_k, head_dim_v=head_dim_v, n_swa=n_swa,
-        swa_layers=swa_layers, head_dims_swa=head_dims_swa, kv_from=_kv_from(g, arch, n_layer),
+        swa_layers=swa_layers, head_dims_swa=head_dims_swa, kv_from=modelcheck.kv_from(g, arch, n_layer),
         has_chat_template=bool(_text(g.get("tokenizer.chat_template"))),
         tensor_bytes=total, layer_bytes=tuple(layer_bytes), output_bytes=output,
         n_vocab=g.array_lengths.get("tokenizer.ggml.tokens", 0), n_head=n_head0,
@@ -174,16 +173,6 @@ def _describe(g: GGUFInfo, arch: str, problem: str) -> ModelInfo:
         notices=tuple(modelcheck.ignored(g)),
         problem=problem, pooling=int(a("pooling_type", 0) or 0),
     )
-
-
-def _kv_from(g: GGUFInfo, arch: str, n_layer: int) -> int:
-    """The first layer that keeps no KV of its own: Gemma 3n's 21st (fixed in llama.cpp), Gemma 4's first of its
-    shared_kv_layers (llama.cpp's models/gemma3n.cpp and gemma4.cpp)."""
-    if arch == "gemma3n":
-        return min(GEMMA3N_KV_LAYERS, n_layer)
-    if arch == "gemma4":
-        return max(n_layer - int(g.get("gemma4.attention.shared_kv_layers", 0) or 0), 0)
-    return n_layer
 
 
 def _text(value: object) -> str:

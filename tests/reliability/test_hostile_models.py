@@ -114,13 +114,14 @@ def test_a_damaged_qwen3_vl_model_is_one_line_with_its_reason(home, demo_path, t
     _one_line(home, make_text_model(tmp_path / "qwen3vl-damaged.gguf", demo_path, kv_extra=changes), reason, tally)
 
 
-# a Gemma 4's shared KV layers (tests/gemma4.py) that llama.cpp asserts on when it makes the context (SIGABRT)
+# a Gemma 4's shared KV layers and sliding window (tests/gemma4.py): llama.cpp asserts on each when it makes the context
 GEMMA4_MUTANTS = {
     "shared layers leaving one with a KV": (dict(layers=3, shared_kv=2), "leaves fewer than 2 of its 3 layers"),
     "shared sliding layers reading a full one": (dict(layers=6, swa=[True, True, False, True, True, False],
-                                                      shared_kv=2), "would read layer 2's KV, which does not slide"),
+                                                      shared_kv=2), "window from layer 2's KV, which does not slide"),
+    "no sliding window and no sliding layer": (dict(layers=2, swa=[False, False], window=0), "sliding_window is 0"),
     "shared full layers reading a sliding one": (dict(layers=4, swa=[False, True, True, False], shared_kv=1),
-                                                 "would read layer 2's KV, which slides"),
+                                                 "attention from layer 2's KV, which slides"),
 }
 
 
