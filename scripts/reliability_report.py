@@ -105,8 +105,8 @@ def write(rows: list[dict], took: float, returncode: int) -> int:
               "rules llama.cpp would abort on are checked before it loads; its own refusals are read from its log "
               "with the remedy), exit 2, no signal, no traceback, under 10 s and 1 GiB, no session touched; a chat "
               "template stored as a number is ignored with a notice; `localchat models` and `plan` say so. Likewise 3 "
-              "Qwen3-VL text models (M-RoPE sections, deepstack layers) and 3 Gemma 4 ones (shared KV layers "
-              "llama.cpp asserts on) written by the tests, each of which aborted llama.cpp.",
+              "Qwen3-VL text models (M-RoPE sections, deepstack layers) and 4 Gemma 4 ones (shared KV layers, no "
+              "sliding window) written by the tests, each of which aborted llama.cpp.",
               "- **Sudden ends**: SIGTERM and SIGHUP mid-reply end the reply as Ctrl-C does (kept, marked cut), "
               "save and exit with 128 + the signal; between turns they save and exit; kill -9 mid-reply keeps the "
               "question (on disk before the reply starts); closing the tmux window mid-reply keeps the question "
