@@ -48,7 +48,7 @@ def _offer_tools(rt: runtime.Runtime, asking: approval.Asking | None, hub: Hub |
     approve = asking.approve if asking is not None else approval.pre_approved_only(_report)
     box = Toolbox(Root(Path.cwd()), approve, allowed=set(p.allow_tools), timeout=p.tool_timeout, report=_report,
                   ahead=asking is not None, offered=READ_ONLY + SIDE_EFFECTS if p.tools else (),
-                  search=lambda query, limit: past_conversations(query, limit, rt.embedding))
+                  search=lambda query, limit: past_conversations(query, limit, rt.embedding, this_turn(rt.chat)))
     tools = ToolSet(box, hub, p.mcp_timeout, ListCache(paths.home() / "mcp-tools.json"))
     for line in tools.notices:
         _report(f"localchat: {line}")
@@ -57,12 +57,22 @@ def _offer_tools(rt: runtime.Runtime, asking: approval.Asking | None, hub: Hub |
     _report(f"localchat: tools: {tool_cost_line(rt.chat, tools)}")
 
 
-def past_conversations(query: str, limit: int, embedding: Embedding | None = None) -> str:
-    """search_conversations: the best matches over every saved session, whole, with where and when."""
+def past_conversations(query: str, limit: int, embedding: Embedding | None = None,
+                       skipped: frozenset[str] = frozenset()) -> str:
+    """search_conversations: the best matches over every saved session, whole, with where and when; the
+    `skipped` texts (the turn that asks, saved as it goes) left out: the model has them already."""
     try:
-        return searchindex.recalled(memory.matches(query, limit, embedding)[0])
+        hits = memory.matches(query, limit + len(skipped), embedding)[0]
     except (*searchindex.FAILURES, ModelError) as exc:
         return f"the conversations cannot be searched here: {exc}"
+    return searchindex.recalled([h for h in hits if h.text not in skipped][:limit])
+
+
+def this_turn(chat: Chat) -> frozenset[str]:
+    """The texts of the turn under way: its question and the results of its calls so far."""
+    messages = chat.conv.messages
+    start = max((i for i, m in enumerate(messages) if m.role == "user"), default=len(messages))
+    return frozenset(m.content for m in messages[start:] if m.role in ("user", "tool"))
 
 
 def tool_cost_line(chat: Chat, tools: ToolSet) -> str:
@@ -99,8 +109,9 @@ def _start_servers(profile: Profile) -> Hub | None:
 
 def _budget_spent(most: int) -> Callable[[int, int], bool]:
     def go_on(made: int, asked: int) -> bool:
-        _report(f"localchat: {asked} more tool calls would pass the reply's budget (max_tool_calls {most}, "
-                f"{made} made); they were not run")
+        calls = f"{asked} more tool call{'s' * (asked != 1)}"
+        _report(f"localchat: {calls} would pass the reply's budget (max_tool_calls {most}, {made} made): not run; "
+                "the model answers from what it has")
         return False
     return go_on
 

@@ -45,12 +45,16 @@ def cmd_models(argv: Sequence[str]) -> int:
     from localchat.machine.gguf_file import read_gguf
     args = models_parser().parse_args(argv)
     rows: list[dict[str, Any]] = []
+    fetched = {}
     for alias in BUILTIN_MODELS:
         cached = models.builtin_cached(alias)
         if cached is None:
             rows.append({"name": alias, "source": "built-in (fetched on first use)", "path": None})
+        else:
+            fetched[cached] = alias
     for found in models.discover():
-        row: dict[str, Any] = {"name": found.name, "source": found.source, "path": str(found.path)}
+        source = f"built-in {fetched[found.path]}" if found.path in fetched else found.source
+        row: dict[str, Any] = {"name": found.name, "source": source, "path": str(found.path)}
         try:
             g = read_gguf(found.path)
             m = models.model_info(found.path, g)

@@ -74,7 +74,8 @@ class Profile:
     free_margin_gb: float = setting(0.25, "a number of GB, 0 or more", _gb,
                                     help="kept free of what the card really has free at start")
     model: str | None = setting(None, "a .gguf path, a built-in model or a model name", flag="--model", short="-m",
-                                help="GGUF path, built-in (demo, gemma-270m) or a name from 'localchat models'")
+                                help="GGUF path, built-in (qwen-coder-1.5b, demo, gemma-270m) or a name from "
+                                     "'localchat models'")
     n_gpu_layers: int = setting(0, "-1 (all), 0 (CPU) or a number of layers", lambda v: v >= -1,
                                 flag="--gpu-layers", help="layers on the GPU (-1: all)")
     gpus: int = setting(1, "a number of GPUs, 1 to 16", lambda v: 1 <= v <= 16,

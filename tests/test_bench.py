@@ -10,8 +10,9 @@ from tests.conftest import run_cli
 
 def test_bench_modes_evaluate_the_same_tokens(tmp_path):
     out = tmp_path / "bench.json"
-    r = run_cli(["bench", "--profile", "cpu", "--turns", "4", "--system-tokens", "64", "--user-tokens", "20",
-                 "--reply-tokens", "8", "--kv", "f16", "--repeat", "2", "--json", str(out)], timeout=600)
+    r = run_cli(["bench", "--profile", "cpu", "--model", "demo", "--turns", "4", "--system-tokens", "64",
+                 "--user-tokens", "20", "--reply-tokens", "8", "--kv", "f16", "--repeat", "2", "--json", str(out)],
+                timeout=600)
     assert r.returncode == 0, r.stderr
     assert "ttft_ratio_recompute_over_localchat" in r.stdout  # the table and summary on stdout
     part = json.loads(out.read_text())["kv"]["f16"]
@@ -47,8 +48,8 @@ def test_decode_bench_measures_drafts_and_load_bench_reads_the_load(tmp_path):
     fake.write_text(f"#!/bin/sh\necho \"$*\" >> {calls}\n"
                     "case \" $* \" in *' -n 1 '*) echo '[{\"avg_ts\": 250.0}]';; *) echo '[{\"avg_ts\": 100.0}]';; esac\n")
     fake.chmod(0o755)
-    r = run_cli(["bench", "--decode", "--load", "--repeat", "1", "--reply-tokens", "32", "--json", str(out),
-                 "--llama-bench", str(fake)], timeout=900)
+    r = run_cli(["bench", "--model", "demo", "--decode", "--load", "--repeat", "1", "--reply-tokens", "32", "--json",
+                 str(out), "--llama-bench", str(fake)], timeout=900)
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
     repetitive, novel = result["decode"]["workloads"]["repetitive"], result["decode"]["workloads"]["not repetitive"]

@@ -27,7 +27,7 @@ def _check(report: dict, name: str) -> dict:
 
 @cpu_only
 def test_on_a_cpu_build_doctor_says_so_names_the_cpu_profile_and_measures_a_real_load(demo_path):
-    out = run_cli(["doctor"])
+    out = run_cli(["doctor", "--model", str(demo_path)])
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert lines[-1] == "all 5 checks pass"
@@ -45,7 +45,7 @@ def test_on_a_cpu_build_doctor_says_so_names_the_cpu_profile_and_measures_a_real
 
 @cpu_only
 def test_json_has_every_check_with_its_verdict_remedy_and_figures(demo_path):
-    rc, report = _doctor()
+    rc, report = _doctor("--model", str(demo_path))
     assert rc == 0 and report["ok"] is True
     assert report["profile"] == "cpu" and report["model"] == str(demo_path)
     assert [c["name"] for c in report["checks"]] == CHECKS
@@ -68,7 +68,7 @@ def test_json_has_every_check_with_its_verdict_remedy_and_figures(demo_path):
 
 @cpu_only
 def test_a_gpu_profile_on_a_cpu_build_fails_the_offload_check_with_the_remedy(demo_path):
-    rc, report = _doctor("--profile", "rtx3060")
+    rc, report = _doctor("--profile", "rtx3060", "--model", str(demo_path))
     assert rc == 1 and report["ok"] is False
     offload = _check(report, "offload")
     assert offload["ok"] is False and "profile rtx3060: all 31 layers on the CPU" in offload["verdict"]
@@ -98,9 +98,10 @@ def test_a_model_too_large_for_this_machine_fails_with_the_memory_it_needs_and_h
 
 
 def test_state_directories_show_a_session_written_by_the_chat(demo_path, home):
-    chat = run_cli(["--session", "work", "--max-tokens", "4", "--temperature", "0"], stdin="hello\n")
+    chat = run_cli(["--model", str(demo_path), "--session", "work", "--max-tokens", "4", "--temperature", "0"],
+                   stdin="hello\n")
     assert chat.returncode == 0, chat.stderr
-    out = run_cli(["doctor", "--no-load"])
+    out = run_cli(["doctor", "--no-load", "--model", str(demo_path)])
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(r"^ok +offload +skipped \(--no-load\)$", out.stdout, re.M)
     assert re.search(r"^ok +state +1 session \([\d,.]+ [KM]iB\)", out.stdout, re.M)

@@ -37,7 +37,8 @@ def doc(tmp_path) -> Path:
 
 def one_chat(session: str, files: list[str], question: str = QUESTION, store: bool = True, **settings):
     """A new chat in its own runtime (as a new process would be): attach, ask, keep the stats."""
-    profile = runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 16, "n_ctx": 2048, **settings})
+    profile = runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 16, "n_ctx": 2048, "model": "demo",
+                                           **settings})
     rt = runtime.open_runtime(profile, lambda t: None)
     try:
         st_store = SessionDir(session) if store else None
@@ -196,7 +197,7 @@ def test_in_the_chat_bad_files_are_refused_and_the_chat_goes_on(home, demo_path,
     small.write_text("A short note.\n")
     session = ["/attach " + str(tmp_path / "nope.txt"), "/attach " + str(big), "/docs", f"/attach {small}",
                "/docs clear", "/docs", "Hello there"]
-    r = run_cli(["--ctx", "2048", "-t", "0", "--max-tokens", "8", "--session", "bad"],
+    r = run_cli(["--model", str(demo_path), "--ctx", "2048", "-t", "0", "--max-tokens", "8", "--session", "bad"],
                 stdin="".join(line + "\n" for line in session), env={"LOCALCHAT_HOME": str(home)})
     assert r.returncode == 0, r.stderr
     assert f"localchat: {tmp_path / 'nope.txt'}: no such file" in r.stderr
@@ -204,21 +205,21 @@ def test_in_the_chat_bad_files_are_refused_and_the_chat_goes_on(home, demo_path,
     assert "does not fit: the context holds 2,048" in line and "would fit" in line
     assert "1 pending documents dropped" in r.stderr and r.stderr.count("no documents attached") == 2
     assert r.stdout.strip()  # the chat went on: a reply
-    r = run_cli(["--attach", str(tmp_path / "nope.txt")], env={"LOCALCHAT_HOME": str(home)})
+    r = run_cli(["--model", str(demo_path), "--attach", str(tmp_path / "nope.txt")], env={"LOCALCHAT_HOME": str(home)})
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"localchat: {tmp_path / 'nope.txt'}: no such file"
 
 
 def test_documents_survive_resume_undo_and_the_official_form(home, demo_path, doc, tmp_path):
     stats = tmp_path / "s.jsonl"
     lines = [f"/attach {doc}", "/docs", QUESTION, "And who repairs the roof?", "/undo", "/docs"]
-    r = run_cli(["-t", "0", "--max-tokens", "8", "--session", "d", "--stats-json", str(stats)],
-                stdin="".join(x + "\n" for x in lines), env={"LOCALCHAT_HOME": str(home)})
+    r = run_cli(["--model", str(demo_path), "-t", "0", "--max-tokens", "8", "--session", "d", "--stats-json",
+                 str(stats)], stdin="".join(x + "\n" for x in lines), env={"LOCALCHAT_HOME": str(home)})
     assert r.returncode == 0, r.stderr
     assert f"pending  {doc}: " in r.stderr and f"sent     {doc}: " in r.stderr
     first, second = [json.loads(x) for x in stats.read_text().splitlines()]
     assert second["recomputed_tokens"] <= second["new_tokens"] + 1 and second["canonicalized_tokens"] == 0
-    r = run_cli(["-t", "0", "--max-tokens", "8", "--session", "d", "--stats-json", str(stats)],
-                stdin="Thanks\n", env={"LOCALCHAT_HOME": str(home)})
+    r = run_cli(["--model", str(demo_path), "-t", "0", "--max-tokens", "8", "--session", "d", "--stats-json",
+                 str(stats)], stdin="Thanks\n", env={"LOCALCHAT_HOME": str(home)})
     third = json.loads(stats.read_text().splitlines()[-1])
     assert third["kv_restored"] is True and third["recomputed_tokens"] <= third["new_tokens"] + 1
     export = run_cli(["sessions", "export", "d"], env={"LOCALCHAT_HOME": str(home)}).stdout

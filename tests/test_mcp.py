@@ -190,7 +190,7 @@ def test_a_line_mode_chat_offers_a_servers_tools_and_a_second_chat_loads_their_p
             "required", "--max-tokens", "48", "--temperature", "0", "--stats-json", str(stats)]  # two sessions
     first = run_cli(args, stdin="What is bread made of? Look it up.\n", timeout=240)
     assert first.returncode == 0, first.stderr
-    assert "tools: 1 offered" in first.stderr and "[tool notes_lookup: ok" in first.stderr
+    assert "tools: 1 offered" in first.stderr and "[tool notes_lookup(" in first.stderr and "): ok" in first.stderr
     rows = [json.loads(line) for line in stats.read_text().splitlines()]
     assert rows[-1]["tool_calls"] == 1
     stats.unlink()
@@ -272,7 +272,7 @@ def test_no_server_process_outlives_the_chat(home, tools_model, tmp_path, end):
         proc.wait(60)
         err = err_path.read_text()
         if end == "server-kill-9":
-            assert proc.returncode == 0 and "[tool notes_helper: error" in err, err
+            assert proc.returncode == 0 and "[tool notes_helper(): error" in err, err
         alive = [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert alive == [], (end, [p.cmdline() for p in alive])
     finally:

@@ -9,8 +9,8 @@ from tests.conftest import run_cli
 LINES = [f"Tell me fact number {i} about the history of bread and ovens." for i in range(40)]
 
 
-def run(home, *args, lines=LINES, stats=None):
-    full = ["--temperature", "0", "--max-tokens", "32", "--ctx", "1024", *args]
+def run(home, *args, lines=LINES, stats=None, model="demo"):
+    full = ["--model", model, "--temperature", "0", "--max-tokens", "32", "--ctx", "1024", *args]
     if stats:
         full += ["--stats-json", str(stats)]
     return run_cli(full, stdin="".join(x + "\n" for x in lines), env={"LOCALCHAT_HOME": str(home)})
@@ -46,7 +46,7 @@ def test_forty_turns_in_1024_tokens_shift_without_recomputing(home, tmp_path):
 
 def test_sliding_window_model_rebuilds_the_kept_window_and_counts_it(home, tmp_path):
     stats = tmp_path / "g.jsonl"
-    r = run(home, "--model", "gemma-270m", "--overflow", "rebuild", "--no-session", stats=stats)
+    r = run(home, "--overflow", "rebuild", "--no-session", stats=stats, model="gemma-270m")
     assert r.returncode == 0 and "localchat:" not in r.stderr, r.stderr
     rows = read(stats)
     assert len(rows) == 40
@@ -83,8 +83,9 @@ def test_reply_reaching_the_end_of_the_context_is_kept_then_undo_and_retry_after
              "/undo", "/retry", "Last question?"]
     # no drafts: whether `auto` drafts follows timings, and past 256 tokens a verified batch and a single
     # step part in their last bits (README: Speed), which can end this greedy story before the context does
-    r = run_cli(["--temperature", "0", "--max-tokens", "490", "--ctx", "512", "--no-session", "--speculate", "off",
-                 "--stats-json", str(stats)], stdin="".join(x + "\n" for x in lines), env={"LOCALCHAT_HOME": str(home)})
+    r = run_cli(["--model", "demo", "--temperature", "0", "--max-tokens", "490", "--ctx", "512", "--no-session",
+                 "--speculate", "off", "--stats-json", str(stats)], stdin="".join(x + "\n" for x in lines),
+                env={"LOCALCHAT_HOME": str(home)})
     assert r.returncode == 0, r.stderr
     rows = read(stats)
     # the reply ran into the end of the context: stopped cleanly, kept, marked cut

@@ -126,10 +126,11 @@ def test_profiles_command_lists_shipped_and_user_profiles(home):
 def test_a_profile_context_above_the_trained_one_is_capped_and_a_command_line_one_refused(home, demo_path):
     from tests.conftest import run_cli
     env = {"LOCALCHAT_HOME": str(home)}
-    r = run_cli(["--profile", "h200", "--no-session", "--max-tokens", "4", "--temperature", "0"], "Hello\n", env)
+    r = run_cli(["--profile", "h200", "--model", str(demo_path), "--no-session", "--max-tokens", "4", "--temperature",
+                 "0"], "Hello\n", env)
     assert r.returncode == 0, r.stderr
     assert "sets n_ctx 32768, above the trained context" in r.stderr and "using 8192" in r.stderr
-    r = run_cli(["--ctx", "16384", "--no-session"], "Hello\n", env)
+    r = run_cli(["--model", str(demo_path), "--ctx", "16384", "--no-session"], "Hello\n", env)
     assert r.returncode == 2 and "--ctx 16384 is above the trained context" in r.stderr
 
 

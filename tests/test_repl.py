@@ -22,7 +22,7 @@ ENTER, CTRL_C, CTRL_D, ALT_ENTER = "\r", "\x03", "\x04", "\x1b\r"
 
 
 class Harness:
-    def __init__(self, home, max_tokens=12, session="ui", model=None, asking=None, **settings):
+    def __init__(self, home, max_tokens=12, session="ui", model="demo", asking=None, **settings):
         profile = runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": max_tokens, "n_ctx": 2048,
                                                "model": model, **settings})
         self.rt = runtime.open_runtime(profile, lambda t: None)
@@ -249,7 +249,7 @@ EDITS = {  # each ends with the same message in the input line
 }
 
 
-def _run(home, session: str, read_ahead: bool, edit: str, model=None, parts=None,
+def _run(home, session: str, read_ahead: bool, edit: str, model="demo", parts=None,
          **settings) -> tuple[list[int], list[int], dict]:
     h = Harness(home, session=session, model=model, **settings)
     try:

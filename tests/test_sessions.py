@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import run_cli
 
-CHAT = ["--temperature", "0", "--max-tokens", "12"]
+CHAT = ["--model", "demo", "--temperature", "0", "--max-tokens", "12"]
 SYSTEM = "You are a terse assistant. " * 8
 
 
@@ -88,7 +88,7 @@ def test_damaged_state_is_refused_and_the_chat_goes_on(home, tmp_path, damage, m
 
 def test_state_of_another_model_is_refused(home, tmp_path, gemma_path):
     assert chat(home, "smol", ["Hello there"]).returncode == 0
-    assert chat(home, "gem", ["Hello there"], "--model", str(gemma_path)).returncode == 0
+    assert chat(home, "gem", ["Hello there"], "--model", str(gemma_path)).returncode == 0  # the last --model counts
     smol = home / "sessions" / "smol" / "kv.state"
     smol.write_bytes((home / "sessions" / "gem" / "kv.state").read_bytes())
     r = chat(home, "smol", ["Next"])
@@ -138,7 +138,7 @@ def test_one_process_per_session(home):
 
 @pytest.mark.parametrize("name", ["../escape", "/etc/passwd", "a/b", "..", ".hidden", ""])
 def test_session_names_cannot_escape(home, name):
-    r = run_cli(["--session", name], env={"LOCALCHAT_HOME": str(home)})
+    r = run_cli(["--model", "demo", "--session", name], env={"LOCALCHAT_HOME": str(home)})
     assert r.returncode == 2 and "invalid session name" in r.stderr
     assert not (home.parent / "escape").exists()
 

@@ -289,7 +289,7 @@ def test_stats_json_counts_drafts_and_the_flag_turns_them_off(home, tmp_path, de
     stats_on, stats_off = tmp_path / "on.jsonl", tmp_path / "off.jsonl"
     lines = QUESTIONS[0] + "\n" + QUESTIONS[1] + "\n"
     # fixed threads: past 256 tokens llama.cpp's arithmetic follows their number (README: Profiles)
-    common = ["--no-session", "--temperature", "0", "--max-tokens", "48", "--threads", "2"]
+    common = ["--model", str(demo_path), "--no-session", "--temperature", "0", "--max-tokens", "48", "--threads", "2"]
     on = run_cli([*common, "--speculate", "on", "--stats-json", str(stats_on)], lines, {"LOCALCHAT_HOME": str(home)})
     off = run_cli([*common, "--speculate", "off", "--stats-json", str(stats_off)], lines,
                   {"LOCALCHAT_HOME": str(home)})
@@ -308,7 +308,7 @@ def test_a_draft_model_keeps_greedy_replies_identical_across_turns_undo_and_resu
     draft = first_layers(demo_path, tmp_path / "draft.gguf", 15)
     lines = "\n".join([QUESTIONS[0], QUESTIONS[1], "/undo", "Name three rivers."]) + "\n"
     # under 256 tokens of context: past that llama.cpp's CPU kernels for a batch and for one token part (README)
-    common = ["--temperature", "0", "--max-tokens", "24", "--threads", "2"]
+    common = ["--model", str(demo_path), "--temperature", "0", "--max-tokens", "24", "--threads", "2"]
     out = {}
     for name, extra in (("plain", ["--speculate", "off"]), ("draft", ["--speculate", "on", "--draft-model", str(draft)])):
         stats = tmp_path / f"{name}.jsonl"
@@ -327,7 +327,8 @@ def test_a_draft_model_keeps_greedy_replies_identical_across_turns_undo_and_resu
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused(home, demo_path, gemma_path):
-    r = run_cli(["--draft-model", "gemma-270m", "--no-session"], "Hi\n", {"LOCALCHAT_HOME": str(home)})
+    r = run_cli(["--model", str(demo_path), "--draft-model", "gemma-270m", "--no-session"], "Hi\n",
+                {"LOCALCHAT_HOME": str(home)})
     assert r.returncode == 2
     assert "has another vocabulary" in r.stderr and "must share the model's tokenizer" in r.stderr
 

@@ -77,9 +77,9 @@ def test_a_busy_process_takes_a_thread_and_gives_it_back_when_it_stops(home, tmp
     chat = None
     try:
         time.sleep(1.0)
-        chat = subprocess.Popen([sys.executable, "-m", "localchat", "--no-session", "--temperature", "0",
-                                 "--max-tokens", "16", "--stats-json", str(stats)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        chat = subprocess.Popen([sys.executable, "-m", "localchat", "--model", str(demo_path), "--no-session",
+                                 "--temperature", "0", "--max-tokens", "16", "--stats-json", str(stats)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "LOCALCHAT_HOME": str(home)})
         assert chat.stdin is not None
         chat.stdin.write("Hello!\n")
@@ -105,8 +105,8 @@ def test_the_load_is_read_in_idle_time_and_a_turn_right_after_reads_nothing(home
     the next second takes its thread count from it (no /proc reads after Enter); later, a turn reads again."""
     from localchat import runtime
     from localchat.session.lifecycle import THREADS_FRESH_S, Session
-    rt = runtime.open_runtime(runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 4, "n_ctx": 1024}),
-                              lambda t: None)
+    rt = runtime.open_runtime(runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 4, "n_ctx": 1024,
+                                                           "model": str(demo_path)}), lambda t: None)
     try:
         gauge = rt.threads.gauge
         readings = []

@@ -61,7 +61,8 @@ def start(home, stats, *args: str, cwd: str = "") -> tuple[Tmux, Callable[[], li
 
 
 def test_two_turns_status_bar_and_ctrl_c_in_a_real_terminal(home, tmp_path, demo_path):
-    t, read = start(home, tmp_path / "stats.jsonl", "--max-tokens", "300", "--session", "tm")
+    t, read = start(home, tmp_path / "stats.jsonl", "--model", str(demo_path), "--max-tokens", "300",
+                    "--session", "tm")
     try:
         t.wait_for(lambda s: "/help for commands" in s and "\n>" in s)
         t.keys("Say hello in one short sentence.", "Enter")
@@ -91,7 +92,8 @@ def test_two_turns_status_bar_and_ctrl_c_in_a_real_terminal(home, tmp_path, demo
 
 def _typed_chat(home, tmp_path, name: str, *flags: str) -> tuple[list[dict], list[dict]]:
     """Two turns typed key by key in a real terminal, the second with an edit; (stats, transcript records)."""
-    t, read = start(home, tmp_path / f"{name}.jsonl", "--max-tokens", "16", "--session", name, *flags)
+    t, read = start(home, tmp_path / f"{name}.jsonl", "--model", "demo", "--max-tokens", "16", "--session", name,
+                    *flags)
     try:
         t.wait_for(lambda s: "/help for commands" in s and "\n>" in s)
         t.keys("Hello there", "Enter")
@@ -124,7 +126,8 @@ def test_typing_in_a_real_terminal_reads_ahead_and_changes_nothing(home, tmp_pat
 
 
 def test_a_line_sent_during_a_reply_is_queued_and_replies_render_as_markdown(home, tmp_path, demo_path):
-    t, read = start(home, tmp_path / "stats.jsonl", "--max-tokens", "300", "--session", "md")
+    t, read = start(home, tmp_path / "stats.jsonl", "--model", str(demo_path), "--max-tokens", "300",
+                    "--session", "md")
     try:
         t.wait_for(lambda s: "/help for commands" in s and "\n>" in s)
         t.keys("Write a very long story about a dragon and a knight.", "Enter")

@@ -55,7 +55,7 @@ def test_replay_round_trips_a_snapshot():
     assert again == conv
 
 
-CHAT = ["--temperature", "0", "--max-tokens", "8", "--system", "You are terse."]
+CHAT = ["--model", "demo", "--temperature", "0", "--max-tokens", "8", "--system", "You are terse."]
 
 
 @pytest.mark.parametrize("cut", [1, 9, "half", "into-question"])

@@ -190,6 +190,10 @@ def _parser() -> argparse.ArgumentParser:
                         "by words and meaning together too (every message embedded: use fewer SESSIONS on a CPU)")
     p.add_argument("--document", type=int, nargs="?", const=6000, metavar="TOKENS",
                    help="TTFT of a chat about a document of TOKENS (6000), first and second time (prefix store)")
+    p.add_argument("--assistant", action="store_true",
+                   help="the assistant task suite (reads, searches, edits, commands, memory, follow-ups) at "
+                        "temperature 0: success, calls, tokens and time per task (against --peer-server)")
+    p.add_argument("--task", action="append", metavar="NAME", help="--assistant: only this task (repeatable)")
     return p
 
 
@@ -197,6 +201,8 @@ def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
     if args.search:
         return _search_bench(args)
+    if args.assistant:
+        return _assistant_bench(args)
     if args.typing or args.reasoning or args.tools:
         return _idle_benches(args)
     if args.load or args.decode or args.document:
@@ -235,6 +241,21 @@ def main(argv: Sequence[str]) -> int:
     sys.stdout.flush()
     if args.plot:
         _plot(result, args.plot)
+    return 0
+
+
+def _assistant_bench(args: argparse.Namespace) -> int:
+    """--assistant: the task suite at temperature 0; JSON to --json, the summary to stdout."""
+    from localchat.bench import assistant
+    o = overrides(args)
+    o["temperature"] = 0.0
+    profile = runtime.load_profile(args.profile, o)
+    result = assistant.run_assistant(profile, args, _report)
+    result["versions"] = {"llama_cpp_python": llama_version()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    for line in assistant.summary_lines(result):
+        sys.stdout.write(line + "\n")
     return 0
 
 

@@ -96,10 +96,16 @@ class PeerServer:
         if resp.status != 200:
             raise RuntimeError(f"llama-server did not erase its slot ({resp.status})")
 
-    def chat(self, messages: list[dict], tools: list[dict], max_tokens: int) -> dict:
-        """/v1/chat/completions, greedy, the cache kept: (wall seconds, prompt tokens evaluated, reply)."""
-        body = json.dumps({"messages": messages, "tools": tools, "max_tokens": max_tokens, "temperature": 0,
-                           "top_k": 1, "cache_prompt": True, "stream": False}).encode()
+    def chat(self, messages: list[dict], tools: list[dict], max_tokens: int, tool_choice: str = "") -> dict:
+        """/v1/chat/completions, greedy, the cache kept: wall seconds, prompt tokens evaluated, reply tokens and
+        the reply's message (its content and tool_calls)."""
+        request: dict = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "top_k": 1,
+                         "cache_prompt": True, "stream": False}
+        if tools:
+            request["tools"] = tools
+        if tool_choice:
+            request["tool_choice"] = tool_choice
+        body = json.dumps(request).encode()
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         t0 = time.perf_counter()
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -112,7 +118,8 @@ class PeerServer:
         timings = data.get("timings", {})
         return {"wall_s": wall, "prompt_n": int(timings.get("prompt_n", 0)),
                 "prompt_s": float(timings.get("prompt_ms", 0.0)) / 1000,
-                "predicted_n": int(timings.get("predicted_n", 0))}
+                "predicted_n": int(timings.get("predicted_n", 0)),
+                "message": (data.get("choices") or [{}])[0].get("message", {})}
 
 
 def run_llama_bench(path: str, c: EngineConfig, depth: int, n_gen: int, repeat: int = 3) -> float:

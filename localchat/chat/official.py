@@ -117,6 +117,8 @@ def layout(fmt: ChatFormat, vocab: Vocab, conv: Conversation, template_tokens: C
     for m in window:
         candidates = [m.content] if m.role == "user" else [written(m.content)] if m.role == "tool" else \
             reasoning.answer_candidates(style, reply_text(vocab, m))
+        if m.calls:  # a loose call's reply holds the template's form of its calls, not the text sampled
+            candidates.append(_text(vocab, m.tokens[:-1] if m.tokens and vocab.is_eog(m.tokens[-1]) else m.tokens))
         found = next(((c, at) for c in candidates if (at := text.find(c, cursor)) >= 0), None)
         if found is None:
             return None

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from localchat.chatformat import thinking
+from localchat.chatformat.callscan import CallScanner
 from localchat.chatformat.stopscan import StopScanner
 from localchat.engine import Engine, Generation, Speculation
 
@@ -35,6 +36,7 @@ class ReplyOptions:
     on_text: TextSink | None = None  # the answer, as it streams
     on_thought: TextSink | None = None  # the thoughts, as they stream
     hold: str = ""  # the text that opens a tool call: from there on nothing is shown (the call is shown apart)
+    tools: tuple[str, ...] = ()  # the tools offered: a JSON object naming one opens a call too
 
 
 class _Streamer:
@@ -42,8 +44,7 @@ class _Streamer:
         self.e, self.gen, self.opts = e, gen, opts
         self.out = Reply()
         self.scanner = StopScanner(opts.stops)
-        self.calls = StopScanner((opts.hold,)) if opts.hold else None
-        self.calling = False  # a tool call opened: the rest of the answer is not shown
+        self.calls = CallScanner(opts.hold, list(opts.tools)) if opts.hold or opts.tools else None
         self.thoughts = thinking.Stream(opts.style, opts.opened) if opts.style else None
         self.raw = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.seen, self.forced = 0, False
@@ -55,12 +56,8 @@ class _Streamer:
 
     def show(self, text: str, final: bool = False) -> None:
         """Hand text on, up to where a tool call opens (text that may open one is held back)."""
-        if self.calls is not None and not self.calling:
-            text, self.calling = self.calls.feed(text)
-            if final and not self.calling:
-                text += self.calls.flush()
-        elif self.calling:
-            text = ""
+        if self.calls is not None:
+            text = self.calls.feed(text, final)
         if text and self.opts.on_text:
             self.opts.on_text(text)
 
@@ -103,7 +100,7 @@ class _Streamer:
             out.thought = self.thoughts.thought
         if out.stop_text is None:
             self.show(self.scanner.flush(), final=True)
-        elif self.calls is not None and not self.calling:
+        elif self.calls is not None:
             self.show("", final=True)
         out.answer = self.scanner.text if out.stop_text is None else out.stop_text
         return out

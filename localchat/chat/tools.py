@@ -4,6 +4,7 @@ only what it adds; the model then answers or calls again, up to the reply's budg
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -32,14 +33,37 @@ class Stopped:
 @dataclass(frozen=True)
 class NotRun:
     """A call past the reply's budget of calls that the user chose not to go on with."""
-    text: str = "not run: the user stopped the tool calls at this reply's budget"
+    text: str = "not run: the tool calls of this reply reached their budget; answer from the results above"
     status: str = "not_run"
+
+
+@dataclass(frozen=True)
+class Repeated:
+    """A call made before in this turn with the same arguments: not run again, the model pointed to its result
+    (small models otherwise call again and again: Ollama #15573, comfyui-mcp blocks such repeats)."""
+    name: str
+    failed: bool = False  # the call it repeats ended in an error: it would fail again
+
+    @property
+    def text(self) -> str:
+        # measured on Qwen2.5-Coder-1.5B (docs/BENCHMARKS.md): after this text it answered 9 of 10 questions
+        # right; with the result given again, or an alternative to call on, fewer (5-8), or nothing at all
+        if self.failed:
+            return f"{self.name} failed with these arguments (the error is above) and would fail again. Call it " \
+                "with other arguments, or tell the user why it cannot be done."
+        return f"{self.name} was already called with these arguments; its result is above. Answer the user's " \
+            "question from it now."
+
+    @property
+    def status(self) -> str:
+        return "repeated"
 
 
 class ToolRunner(Protocol):
     """What runs a chat's tool calls (approval included): the built-in tools, later MCP servers."""
 
     def schemas(self) -> list[dict[str, Any]]: ...
+    def changes(self, name: str) -> bool: ...  # a call of it may change what other calls return
     def preview(self, call: ToolCall) -> Outcome | None: ...
     def call(self, call: ToolCall, cancelled: Callable[[], bool] | None, ready: Any = None) -> Outcome: ...
     def refreshed(self) -> bool: ...  # whether the tool list changed since it was offered (then offer it anew)
@@ -56,32 +80,74 @@ class Steps(Protocol):
 
 
 GoOn = Callable[[int, int], bool]  # (calls made, calls asked) would pass the reply's budget: go on?
-# results in, the next reply out (stop: why there is none, "" to answer; started: when the results were all in)
-Step = Callable[[list[ToolCall], list[Outcome], str, float], TurnStats]
-BUDGET_STOP = "tool_budget"  # the turn's stop_reason where the user chose not to go on at the budget
+# results in, the next reply out (stop: why there is none, "" to answer; started: when the results were all in;
+# answer: the reply may not call, the loop's last)
+Step = Callable[[list[ToolCall], list[Outcome], str, float, bool], TurnStats]
+BUDGET_STOP = "tool_budget"  # why the loop ended in an answer: the user chose not to go on at the budget
+REPEAT_STOP = "repeated_calls"  # why the loop ended in an answer: the model repeated a call
+FAILED = ("error", "denied")  # a repeat of such a call would end alike: the model may try other arguments
 
 
 def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool] | None,
          go_on: GoOn | None) -> TurnStats:
     """Run the calls of the reply just made, and of the replies that follow, until the model answers
-    without calling, the user stops it (Ctrl-C, or no at the budget of calls), or a reply is cut. The
-    last step's stats are returned; the earlier steps' are in its `steps`."""
+    without calling, the user stops it (Ctrl-C), or a reply is cut. A call repeated with the same
+    arguments is not run again: the model is pointed to its result and answers (its reply may not call);
+    a repeat of a call that failed gets one more chance with other arguments. Where the user does not go
+    on past the budget of calls, the model answers from what it has. The last step's stats are returned;
+    the earlier steps' are in its `steps`, and `loop_end` says why an answer was asked for."""
     steps: list[TurnStats] = []
-    last, made = first, 0
-    while not last.cut and (calls := chat.last_calls()):
+    last, made, ended = first, 0, ""
+    seen: dict[str, str] = {}  # each call made in this turn: how it ended
+    failed_repeats = 0
+    while not last.cut and not ended and (calls := chat.last_calls()):
         if made + len(calls) > chat.max_tool_calls and not (go_on is not None and go_on(made, len(calls))):
-            # each call gets its result (a template renders a call with none as still to answer), no reply
+            # each call gets its result (a template renders a call with none as still to answer)
             steps.append(last)
-            last = step(calls, [NotRun()] * len(calls), BUDGET_STOP, time.perf_counter())
+            last = step(calls, [NotRun()] * len(calls), "", time.perf_counter(), True)
+            last.extra["loop_end"] = BUDGET_STOP
             break
         if made + len(calls) > chat.max_tool_calls:
             made = 0  # the user said go on: a new budget
-        outcomes, started = _outcomes(chat, calls, cancelled)
+        before = [seen.get(_key(c)) for c in calls]
+        failed_repeats += sum(b in FAILED for b in before)
+        ended = REPEAT_STOP if any(b not in (None, *FAILED) for b in before) or failed_repeats >= 2 else ""
+        if any(b is not None for b in before):
+            outcomes, started = _with_repeats(chat, calls, before, cancelled)
+        else:
+            outcomes, started = _outcomes(chat, calls, cancelled)
+        if _changed(chat, calls, outcomes):
+            seen.clear()  # after a write, an edit or a command, the same read or test may answer otherwise
+        seen.update({_key(c): o.status for c, o in zip(calls, outcomes) if _key(c) not in seen})
         made += len(calls)
         steps.append(last)
-        last = step(calls, outcomes, "cancelled" if cancelled is not None and cancelled() else "", started)
+        last = step(calls, outcomes, "cancelled" if cancelled is not None and cancelled() else "", started,
+                    bool(ended))
+    if ended:
+        last.extra["loop_end"] = ended
     last.steps = steps
     return last
+
+
+def _changed(chat: Steps, calls: list[ToolCall], outcomes: list[Outcome]) -> bool:
+    runner = chat.runner
+    return runner is not None and any(runner.changes(c.name) and o.status == "ok" for c, o in zip(calls, outcomes))
+
+
+def _key(call: ToolCall) -> str:
+    return json.dumps([call.name, call.arguments], sort_keys=True)
+
+
+def _with_repeats(chat: Steps, calls: list[ToolCall], before: list[str | None],
+                  cancelled: Callable[[], bool] | None) -> tuple[list[Outcome], float]:
+    """The calls of a reply that repeats some (`before`: how each ended before, None for a new one): the new
+    ones run (nothing is evaluated ahead), the repeats pointed to their result."""
+    runner = chat.runner
+    assert runner is not None
+    stop = cancelled or (lambda: False)
+    outcomes: list[Outcome] = [Repeated(c.name, b in FAILED) if b is not None else Stopped() if stop() else
+                               runner.call(c, cancelled) for c, b in zip(calls, before)]
+    return outcomes, time.perf_counter()
 
 
 def _outcomes(chat: Steps, calls: list[ToolCall], cancelled: Callable[[], bool] | None) -> tuple[

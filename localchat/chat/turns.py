@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from localchat.chat import carryover, official, overflow, replystream, tools, transcript
 from localchat.chat.ahead import Ahead
@@ -17,11 +18,13 @@ from localchat.chat.conversation import Conversation, Message
 from localchat.chat.documents import Attachments
 from localchat.chat.stats import TurnStats
 from localchat.chatformat import reasoning
+from localchat.chatformat.loosecalls import NO_CALL_OPENINGS
 from localchat.chatformat.templates import ChatFormat
-from localchat.chatformat.toolcalls import Found, ToolCall, ToolFormat
+from localchat.chatformat.toolcalls import Found, ToolCall, ToolFormat, after_thoughts
+from localchat.chatformat.toolgrammar import NO_CALL, loose_grammar
 from localchat.engine import Cancelled, Engine, Generation, PrefillResult, SamplingConfig, Speculation, prime_sampler
 from localchat.engine.vision import Projector
-from localchat.errors import ContextFullError, ModelError, ToolsUnsupported
+from localchat.errors import ContextFullError, ModelError, TemplateFailure, ToolsUnsupported
 from localchat.settings import default
 from localchat.trace import TRACE
 
@@ -68,6 +71,19 @@ class _Laid:
     stops: list[int]  # where the prefill stops for the prefix store
 
 
+def _paragraph(sink: TextSink) -> TextSink:
+    """`sink`, its first text after a blank line."""
+    first = [True]
+
+    def paragraph(text: str) -> None:
+        if first[0]:
+            if not text.strip():
+                return  # the blank line is ours
+            first[0], text = False, "\n\n" + text.lstrip()
+        sink(text)
+    return paragraph
+
+
 class Chat:
     """One conversation over one engine: each turn's delta, its prefill and reply, undo, retry, a new start."""
 
@@ -80,6 +96,9 @@ class Chat:
         self._system_cause = ""  # why the next turn may recompute: the system prompt changed
         self._sampler = engine.make_sampler(settings.sampling)
         self._first_sampler: object | None = None  # tool_choice required: the turn's first reply is a call
+        self._answer_sampler: object | None = None  # a loop's last reply: no call can open
+        self._step_sampler: object | None = None  # a reply after results: it says something
+        self._rewritten = 0  # a loose call's tokens laid out in the template's form, evaluated by the next step
         # a sliding-window cache may lose cells a rejected draft's tail pushed out: exact only with swa_full
         drafts = settings.speculate != "off" and (not engine.n_swa or engine.config.swa_full)
         self.speculation = Speculation(settings.speculate, cost=engine.step_cost) if drafts else None
@@ -126,17 +145,32 @@ class Chat:
             raise ToolsUnsupported(f"{model} cannot call tools: {found.reason}")
         self.runner, self.tool_format, self.max_tool_calls = runner, found, max_calls
         self._offered_as = (model, choice, grammar)
-        gbnf = found.grammar(runner.schemas()) if grammar and runner.schemas() else None
-        try:
-            if gbnf:
-                lazy = self.engine.make_sampler(self.settings.sampling, gbnf, (found.trigger,))
-                self._first_sampler = self.engine.make_sampler(self.settings.sampling, gbnf) \
-                    if choice == "required" else None
-                self._sampler, self.speculation = lazy, None  # a draft's tokens would pass the grammar unchecked
-        except ValueError:
-            self._first_sampler = None  # a schema llama.cpp's grammar cannot take: calls are parsed, not held
+        self._first_sampler = self._answer_sampler = self._step_sampler = None  # an earlier offer's
+        if grammar and runner.schemas():
+            self._constrain(found, runner.schemas(), choice)
         if self.conv.prefix:
             self.set_system(self.conv.system, cause="the tool list changed")
+
+    def _constrain(self, found: ToolFormat, schemas: list[dict[str, Any]], choice: str) -> None:
+        """Calls held to the grammar from their opening, the template's own or a loose one (a JSON object
+        naming a tool); with `choice` required, the turn's first reply a call of the template's form."""
+        s = self.settings.sampling
+        own = found.grammar(schemas)
+        try:
+            grammar, triggers = (own, found.triggers(schemas)) if own else \
+                (loose_grammar(schemas), found.triggers(schemas, own=False))
+            lazy = self.engine.make_sampler(s, grammar, triggers)
+            # after results, an empty reply is no answer (the model ends a step so now and then): it says something
+            self._step_sampler = self.engine.make_sampler(s, grammar, triggers, says_something=True)
+            required = found.grammar(schemas, loose=False) if choice == "required" else None
+            self._first_sampler = self.engine.make_sampler(s, required) if required else None
+            # a token that would open a call is never drawn: the grammar behind the triggers takes nothing
+            self._answer_sampler = self.engine.make_sampler(s, NO_CALL, found.triggers(schemas) + NO_CALL_OPENINGS,
+                                                            says_something=True)
+        except ValueError:  # a schema llama.cpp's grammar cannot take: calls are parsed, not held
+            self._first_sampler = self._answer_sampler = self._step_sampler = None
+            return
+        self._sampler, self.speculation = lazy, None  # a draft's tokens would pass the grammar unchecked
 
     def offer_tools_of(self, other: Chat, model: str) -> None:
         """The tools `other` offers, offered alike here (the chat of the next model, /model)."""
@@ -166,13 +200,14 @@ class Chat:
 
     def tool_step(self, calls: list[ToolCall], outcomes: list[tools.Outcome], opts: replystream.ReplyOptions,
                   stop: str = "", started: float | None = None,
-                  on_message: Callable[[], None] | None = None) -> TurnStats:
+                  on_message: Callable[[], None] | None = None, answer: bool = False) -> TurnStats:
         """One step of a tool loop: the results go in as the template's delta after the calls (the call's
         end, each result as plain text, the next generation prompt), then the model replies (`stop`: why it
-        does not, "cancelled" for Ctrl-C or tools.BUDGET_STOP; the results are kept, the reply left cut,
-        the turn's stop_reason says which). The TTFT runs from
+        does not, "cancelled" for Ctrl-C; the results are kept, the reply left cut, the turn's stop_reason
+        says so). The TTFT runs from
         `started` (perf_counter), when the results were in; `on_message` is called once the call and its
-        results are recorded (the session writes them to disk: a step once done is never lost)."""
+        results are recorded (the session writes them to disk: a step once done is never lost); with
+        `answer`, the reply may not call (the loop's last)."""
         e = self.engine
         assert self.tool_format is not None
         t0 = started if started is not None else time.perf_counter()
@@ -186,10 +221,11 @@ class Chat:
                                                                           "status": outcome.status}))
         if on_message is not None:
             on_message()
-        ran = sum(not isinstance(o, tools.NotRun) for o in outcomes)
+        ran = sum(not isinstance(o, (tools.NotRun, tools.Repeated)) for o in outcomes)
         st.extra.update(step=len([m for m in self._exchange() if m.role == "assistant"]), tool_calls=ran,
-                        tool_result_tokens=sum(map(len, results)), prefetched_tokens=self._prefetched)
-        self._prefetched = 0
+                        tool_result_tokens=sum(map(len, results)), prefetched_tokens=self._prefetched,
+                        rewritten_call_tokens=self._rewritten)
+        self._prefetched = self._rewritten = 0
         prompt = self.conv.window_tokens()
         e.reset_perf()
         gen = Generation(tokens=[])
@@ -207,7 +243,9 @@ class Chat:
             return self._finish(st, t0, gen, NO_INPUTS)
         e.synchronize()
         prompt_eval = int(e.perf()["prompt_n"])
-        self._reply(len(prompt), gen, st, opts)
+        if opts.on_text is not None and any(m.content for m in self._exchange() if m.role == "assistant"):
+            opts = dataclasses.replace(opts, on_text=_paragraph(opts.on_text))  # apart from the words shown before
+        self._reply(len(prompt), gen, st, opts, self._answer_sampler if answer else self._step_sampler, answer)
         self.ahead.end_turn()
         return self._finish(st, t0, gen, NO_INPUTS, prompt_eval)
 
@@ -361,7 +399,9 @@ class Chat:
         prompt_eval = int(e.perf()["prompt_n"])
         opts = replystream.ReplyOptions(self.settings.max_tokens, self.reasoning_style, self.fmt.opens_thoughts,
                                         self.settings.reasoning_budget, self.fmt.stop_strings, cancelled, on_text,
-                                        on_thought, self.tool_format.opening if self.tool_format else "")
+                                        on_thought, self.tool_format.opening if self.tool_format else "",
+                                        tuple(t["function"]["name"] for t in self.runner.schemas()) if self.runner
+                                        else ())
         self._reply(len(prompt), gen, st, opts, self._first_sampler)
         if st.cache_miss and st.turn > 1:
             st.miss_cause = self._miss_cause(st, inputs, pre.rewind_refused, n_kv_before)
@@ -369,8 +409,8 @@ class Chat:
         st = self._finish(st, t0, gen, inputs, prompt_eval)
         if self.runner is None:
             return st
-        return tools.loop(self, st, lambda calls, outcomes, stop, started: self.tool_step(
-            calls, outcomes, opts, stop, started, on_message), cancelled, self.go_on)
+        return tools.loop(self, st, lambda calls, outcomes, stop, started, answer: self.tool_step(
+            calls, outcomes, opts, stop, started, on_message, answer), cancelled, self.go_on)
 
     def _lay_out(self, text: str, st: TurnStats, inputs: TurnInputs) -> _Laid:
         """Make room, add the user's message with its delta, and say where the turn's own tokens start."""
@@ -400,8 +440,9 @@ class Chat:
         return _Laid(len(window), len(head), own_from, canon_left, stops)
 
     def _reply(self, prompt_len: int, gen: Generation, st: TurnStats, opts: replystream.ReplyOptions,
-               sampler: object | None = None) -> None:
-        """Stream the reply (drawn by `sampler`, else the chat's) and keep it in the conversation, counted in `st`."""
+               sampler: object | None = None, answer: bool = False) -> None:
+        """Stream the reply (drawn by `sampler`, else the chat's) and keep it in the conversation, counted in
+        `st`; with `answer`, a call in it does not run (where no grammar could keep it from being written)."""
         e, spec = self.engine, self.speculation
         sampler = sampler or self._sampler
         prime_sampler(sampler, self.settings.sampling, e.tokens)  # the penalties see this context
@@ -410,6 +451,9 @@ class Chat:
         if spec:
             st.extra["draft_tokens"], st.extra["accepted_tokens"] = spec.drafted - drafted, spec.accepted - accepted
         found = self._calls(prompt_len)
+        if answer and found.calls:
+            found = Found(found.content, [], found.start, "the model called a tool where it was asked to answer; "
+                                                          "the call did not run")
         closing = self.tool_format.result_text(found.calls)[0][0] if found.calls and self.tool_format else None
         reply = self._settle_reply(prompt_len, gen, out.stop_text, closing)
         st.cut = gen.stop_reason in ("cancelled", "context_full")
@@ -422,12 +466,43 @@ class Chat:
                                 calls=[{"name": c.name, "arguments": c.arguments, "id": c.id} for c in found.calls])
         if found.calls:
             m.raw, m.call_at = official.raw_reply(e, reply), found.start
+            if found.loose:  # as its template writes calls: what the model was trained to see before a result
+                m.tokens = self._as_template_writes(m.tokens, found)
         if found.error:  # an opened call that did not parse: nothing ran, and the user is told why
             st.extra["tool_call_error"] = f"the reply was cut inside a tool call (max_tokens " \
                 f"{self.settings.max_tokens})" if gen.stop_reason == "max_tokens" else found.error
         self._record(m)
         st.extra["reasoning_tokens"] = out.reasoning_tokens
         st.reply_tokens, st.stop_reason = len(reply), gen.stop_reason
+
+    def _as_template_writes(self, reply: list[int], found: Found) -> list[int]:
+        """A reply with a loose call laid out as the template writes a reply with these calls: its sampled
+        tokens up to the call (its thoughts included), then the template's text of the calls; the next step
+        evaluates the difference (`rewritten_call_tokens`). Where the template renders the words before the
+        call otherwise, the reply stays as sampled."""
+        e, fmt = self.engine, self.tool_format
+        assert fmt is not None
+        words = found.content[after_thoughts(found.content):].strip()
+        try:
+            text = fmt.call_text(found.calls, words)
+        except TemplateFailure:
+            return reply
+        if not text.startswith(words):
+            return reply
+        before = found.content.rstrip().encode()
+        kept, at = 0, 0
+        for tok in reply:
+            piece = e.piece(tok, special=True)
+            if not before.startswith(piece, at) or not piece:
+                break
+            kept, at = kept + 1, at + len(piece)
+        try:
+            rest = before[at:].decode()
+        except UnicodeDecodeError:  # a token ended inside a character: that token is made again
+            return reply if kept == 0 else self._as_template_writes(reply[:kept - 1], found)
+        laid = reply[:kept] + self._tok(rest, special=False) + self._tok(text[len(words):])
+        self._rewritten = len(laid) - kept
+        return laid
 
     def _miss_cause(self, st: TurnStats, inputs: TurnInputs, rewind_refused: bool, n_kv_before: int) -> str:
         """Why a turn recomputed more than it added: the cause known beforehand (a new system prompt, a
@@ -473,7 +548,7 @@ class Chat:
         # a call the model gave no id gets one (nine letters and digits, as Mistral's templates require)
         made = sum(len(m.calls) for m in self.conv.messages)
         calls = [c if c.id else dataclasses.replace(c, id=f"call{made + i:05d}") for i, c in enumerate(calls)]
-        return Found(found.content, calls, found.start, found.error)
+        return dataclasses.replace(found, calls=calls)
 
     def _settle_reply(self, prompt_len: int, gen: Generation, kept_text: str | None,
                       closing: str | None = None) -> list[int]:

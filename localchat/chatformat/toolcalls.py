@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from localchat.arguments import validate
+from localchat.chatformat import loosecalls
 from localchat.chatformat.templates import REPLY_SENTINEL, USER_SENTINEL, ChatFormat
 from localchat.chatformat.toolgrammar import NotWritable, call_grammar
 from localchat.chatformat.toolnotation import Notation, derive
@@ -73,6 +75,7 @@ class Found:
     calls: list[ToolCall] = field(default_factory=list)
     start: int = -1
     error: str = ""
+    loose: bool = False  # written as a JSON object naming a tool, not in the template's form
 
 
 def _probe_call(i: int) -> ToolCall:
@@ -116,7 +119,7 @@ def _whole_markers(close: str, tail: str) -> str:
     return close
 
 
-def _after_thoughts(text: str) -> int:
+def after_thoughts(text: str) -> int:
     """Where a reply's text continues after its thoughts (0 when it has none)."""
     return max((text.rfind(m) + len(m) for m in _THOUGHT_ENDS if m in text), default=0)
 
@@ -147,10 +150,11 @@ class ToolFormat:
     def _render(self, messages: list[dict[str, Any]], gen: bool = True, n_tools: int = 2) -> str:
         return self.fmt.render(messages, gen, tools=_probe_tools(n_tools))
 
-    def _exchange(self, calls: list[ToolCall], results: list[str] | None = None) -> list[dict[str, Any]]:
+    def _exchange(self, calls: list[ToolCall], results: list[str] | None = None, content: str = "") -> list[
+            dict[str, Any]]:
         results = results if results is not None else [_result(i) for i in range(len(calls))]
         return [{"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "", "tool_calls": [c.message() for c in calls]},
+                {"role": "assistant", "content": content, "tool_calls": [c.message() for c in calls]},
                 *({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": r} for c, r in zip(calls, results))]
 
     def _derive(self) -> None:
@@ -165,7 +169,7 @@ class ToolFormat:
             return
         self._after[1] = one[end:]
         text = one[start:end]
-        self._probe_text = text[_after_thoughts(text):].lstrip()
+        self._probe_text = text[after_thoughts(text):].lstrip()
         self._syntax(self._probe_text)
         self.multiple = self._two_calls()
         self.escapes_results = self._result_escaped()
@@ -281,10 +285,10 @@ class ToolFormat:
             after = after.replace(_name(i), c.name).replace(_id(i), c.id)
         return after
 
-    def call_text(self, calls: list[ToolCall]) -> str:
-        """The text the model writes for these calls, as its template renders them."""
+    def call_text(self, calls: list[ToolCall], content: str = "") -> str:
+        """The text the model writes for these calls (after the words `content`), as its template renders them."""
         after = self._after_these(calls)
-        text = self.fmt.render(self._exchange(calls, [_result(i) for i in range(len(calls))]), True)
+        text = self.fmt.render(self._exchange(calls, [_result(i) for i in range(len(calls))], content), True)
         start = _model_start(self.fmt.render([{"role": "user", "content": "Hi"}], True), text)
         if not text.endswith(after):
             raise TemplateFailure("the template renders these calls in an unexpected form", "template")
@@ -308,6 +312,12 @@ class ToolFormat:
     def trigger(self) -> str:
         """The text from which a call is constrained: its opening, or (Llama 3, no opening) its first words."""
         return self.opening or self._pieces()[0][0]
+
+    def triggers(self, tools: list[dict[str, Any]], own: bool = True) -> tuple[str, ...]:
+        """The patterns (regular expressions) from which a lazy grammar constrains a call: the template's own
+        opening (with `own`), then a loose call's name."""
+        names = [t["function"]["name"] for t in tools]
+        return ((loosecalls.regex_literal(self.trigger),) if own else ()) + (loosecalls.trigger(names),)
 
     def _pieces(self) -> list[tuple[str, str]]:
         """The probe call's text from its opening, cut at its holes: [(literal text, the hole after it)]."""
@@ -335,7 +345,7 @@ class ToolFormat:
         if not after or not text.endswith(after):
             return None
         text = text[_model_start(self._asked, text):len(text) - len(after)]
-        return self._from_opening(text[_after_thoughts(text):].lstrip())
+        return self._from_opening(text[after_thoughts(text):].lstrip())
 
     def notation(self) -> tuple[str, str, Notation] | None:
         """Where the arguments are not JSON: the call's text before and after them and their notation, kept
@@ -350,14 +360,15 @@ class ToolFormat:
                 self._notation = found
         return self._notation
 
-    def grammar(self, tools: list[dict[str, Any]]) -> str | None:
-        """The GBNF grammar of one call to one of `tools` in this format (None where its arguments are
-        written in a way no notation found reproduces)."""
+    def grammar(self, tools: list[dict[str, Any]], loose: bool = True) -> str | None:
+        """The GBNF grammar of one call to one of `tools` in this format, or (with `loose`) of a loose call
+        (`triggers` says where each starts); None where its arguments are written in a way no notation found
+        reproduces (then toolgrammar.loose_grammar constrains the loose calls alone)."""
         if self.kind in ("json", "name-args"):
             pieces = self._pieces()
             if "args" not in [hole for _, hole in pieces]:
                 return None  # the arguments are not written as tojson writes them
-            return call_grammar(pieces, tools)
+            return call_grammar(pieces, tools, loose=loose)
         found = self.notation()
         if found is None:
             return None
@@ -367,7 +378,7 @@ class ToolFormat:
             return None
         try:
             return call_grammar([(before[:at], "name"), (before[at + len(_name(0)):], "args"), (after, "")], tools,
-                                notation)
+                                notation, loose)
         except NotWritable:
             return None
 
@@ -385,7 +396,7 @@ class ToolFormat:
             return Found(raw)
         at = self._first_call(raw)
         if at < 0:
-            return Found(raw)
+            return self._loose(raw, tools or [])
         try:
             calls = getattr(self, f"_parse_{self.kind.replace('-', '_')}")(raw[at:])
         except (ValueError, TypeError, AttributeError, IndexError) as exc:  # IndexError: a call cut off
@@ -394,10 +405,24 @@ class ToolFormat:
             return Found(raw[:at], [], at, "the tool call does not parse")
         return Found(raw[:at], calls, at)
 
+    def _loose(self, raw: str, tools: list[dict[str, Any]]) -> Found:
+        """A call written as a JSON object naming an offered tool instead of in the template's form (in the
+        answer, not in thoughts, where a model weighs calls it has not made)."""
+        answer = after_thoughts(raw)
+        schemas = {t["function"]["name"]: t for t in tools}
+        at, found = loosecalls.find(raw[answer:], list(schemas), lambda name, args: not validate(schemas[name], args))
+        if at < 0:
+            opened = loosecalls.opened(raw[answer:], list(schemas))
+            if opened >= 0:  # it names an offered tool but does not parse or fit: nothing runs, and why is said
+                return Found(raw[:answer + opened], [], answer + opened,
+                             "the JSON tool call in the reply does not parse or fit the tool's schema")
+            return Found(raw)
+        return Found(raw[:answer + at], [ToolCall(name, args) for name, args in found], answer + at, loose=True)
+
     def _first_call(self, raw: str) -> int:
         if self.opening:
             return raw.find(self.opening)
-        stripped = raw[_after_thoughts(raw):]  # no opening (Llama 3): a reply that is a JSON object
+        stripped = raw[after_thoughts(raw):]  # no opening (Llama 3): a reply that is a JSON object
         at = len(raw) - len(stripped.lstrip())
         return at if raw[at:at + 1] in ("{", "[") else -1
 

@@ -26,6 +26,15 @@ _ANY = {
     "array": '"[" ( value ( ", " value )* )? "]"',
     **_BASE,
 }
+# the same as models write JSON of their own (any whitespace between tokens, bounded)
+_ANY_SPACED = {
+    "s-value": "s-object | s-array | string | number | boolean | null",
+    "s-object": '"{" ws ( string ws ":" ws s-value ( ws "," ws string ws ":" ws s-value )* )? ws "}"',
+    "s-array": '"[" ws ( s-value ( ws "," ws s-value )* )? ws "]"',
+    **_BASE,
+}
+WS = "[ \\t\\n]{0,24}"  # between a loose call's tokens: indentation and line ends
+NO_CALL = 'root ::= "\\x01"'  # a grammar that takes no call: behind triggers, no token that opens one is drawn
 
 
 def literal(text: str) -> str:
@@ -38,6 +47,14 @@ class Rules:
     def __init__(self) -> None:
         self.rules: dict[str, str] = {}
         self.ends: dict[str, str] = {}  # the rule of each text a value runs up to
+        self.spaced = False  # JSON with any whitespace between its tokens (a loose call), not tojson's
+
+    def _punct(self, c: str) -> str:
+        """A JSON punctuation mark between values: tojson's (", " and ": "), or with any whitespace around."""
+        if not self.spaced:
+            return literal(c + " " if c in ",:" else c)
+        ws = self.add("ws", WS)
+        return f"{ws} {literal(c)} {ws}" if c in ",:" else f"{literal(c)} {ws}" if c in "{[" else f"{ws} {literal(c)}"
 
     def add(self, name: str, body: str) -> str:
         self.rules.setdefault(name, body)
@@ -54,7 +71,8 @@ class Rules:
             return self._object(schema, name)
         if kind == "array":
             item = self.value(schema.get("items"), f"{name}-item")
-            return self.add(name, f'"[" ( {item} ( ", " {item} ){_more(schema)} )? "]"')
+            c = self._punct
+            return self.add(name, f'{c("[")} ( {item} ( {c(",")} {item} ){_more(schema)} )? {c("]")}')
         if kind == "string" and isinstance(schema.get("maxLength"), int):
             char = self.add("char", _CHAR)
             return self.add(name, f'"\\"" {char}{{0,{schema["maxLength"]}}} "\\""')
@@ -63,23 +81,29 @@ class Rules:
         return self._any()
 
     def _any(self) -> str:
-        for k, body in _ANY.items():
+        for k, body in (_ANY_SPACED if self.spaced else _ANY).items():
             self.add(k, body)
-        return "value"
+        if self.spaced:
+            self.add("ws", WS)
+        return "s-value" if self.spaced else "value"
 
     def _object(self, schema: dict[str, Any], name: str) -> str:
         """Required properties in their order, then any of the optional ones, in theirs."""
         props: dict[str, Any] = schema["properties"]
         required = [k for k in props if k in schema.get("required", [])]
         order = required + [k for k in props if k not in required]
-        pairs = [(f'{literal(json.dumps(k, ensure_ascii=False) + ": ")} {self.value(props[k], _part(name, props, k))}',
-                  k in required) for k in order]
-        return self.add(name, f'"{{" {self.sequence(pairs, ", ", name)} "}}"')
+        c = self._punct
+        key = (lambda k: f"{literal(json.dumps(k, ensure_ascii=False))} {c(':')}") if self.spaced else \
+            (lambda k: literal(json.dumps(k, ensure_ascii=False) + ": "))
+        pairs = [(f"{key(k)} {self.value(props[k], _part(name, props, k))}", k in required) for k in order]
+        if not self.spaced:
+            return self.add(name, f'"{{" {self.sequence(pairs, ", ", name)} "}}"')
+        return self.add(name, f'{c("{")} {self.sequence(pairs, "", name, c(","))} {c("}")}')
 
-    def sequence(self, items: list[tuple[str, bool]], separator: str, name: str) -> str:
-        """The items (rule text, required) in their order, each optional one there or not, `separator`
-        between those there: one rule per item and whether one came before it."""
-        sep = f"{literal(separator)} " if separator else ""
+    def sequence(self, items: list[tuple[str, bool]], separator: str, name: str, rule: str = "") -> str:
+        """The items (rule text, required) in their order, each optional one there or not, `separator` (or
+        the grammar `rule`) between those there: one rule per item and whether one came before it."""
+        sep = f"{rule} " if rule else f"{literal(separator)} " if separator else ""
         after: dict[bool, str] = {False: "", True: ""}  # the rest, from the item after this one
         for i in range(len(items) - 1, -1, -1):
             item, required = items[i]
@@ -207,13 +231,14 @@ def _part(name: str, props: dict[str, Any], key: str) -> str:
     return f"{name}-p{list(props).index(key)}"
 
 
-def call_grammar(pieces: list[tuple[str, str]], tools: list[dict[str, Any]], notation: Notation | None = None) -> str:
+def call_grammar(pieces: list[tuple[str, str]], tools: list[dict[str, Any]], notation: Notation | None = None,
+                 loose: bool = True) -> str:
     """The grammar of one call: `pieces` is the call's text cut at its holes, [(literal, hole)], hole one
     of "name", "name-json" (the name as a JSON string), "args", "id" or "" (the end); one alternative per
     tool; the arguments as JSON, or in `notation` (NotWritable where it cannot write a tool's schema).
-    The root starts where the call opens."""
+    The root starts where the call opens; with `loose`, it also takes a loose call (see `loose_grammar`)."""
     rules = Rules()
-    alternatives = []
+    alternatives = [_loose_call(rules, tools)] if loose else []
     for i, tool in enumerate(tools):
         fn = tool["function"]
         params = fn.get("parameters", {})
@@ -232,3 +257,30 @@ def call_grammar(pieces: list[tuple[str, str]], tools: list[dict[str, Any]], not
         alternatives.append(rules.add(f"call{i}", " ".join(p for p in parts if p != '""')))
     rules.rules = {"root": " | ".join(alternatives), **rules.rules}
     return rules.text()
+
+
+def loose_grammar(tools: list[dict[str, Any]]) -> str:
+    """The grammar of a loose call alone (where the template's own form has none)."""
+    rules = Rules()
+    rules.rules = {"root": _loose_call(rules, tools), **rules.rules}
+    return rules.text()
+
+
+def _loose_call(rules: Rules, tools: list[dict[str, Any]]) -> str:
+    """A call as small models write it without their template's tags (chatformat.loosecalls), from the
+    tool name's opening quote, where the lazy grammar's trigger hands it over: the name, the arguments
+    by the tool's schema, the object's end; more such objects where it is a list; the fence's end."""
+    rules.spaced = True
+    c = rules._punct
+    named = []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        args = rules.value(fn.get("parameters", {}), f"largs{i}")
+        named.append(rules.add(f"loose{i}", f'{literal(json.dumps(fn["name"]))} {c(",")} '
+                                            f'{literal(json.dumps("arguments"))} {c(":")} {args}'))
+    one = rules.add("loose-one", " | ".join(named))
+    ws = rules.add("ws", WS)
+    more = f'{c("}")} {c(",")} {c("{")} {literal(json.dumps("name"))} {c(":")} {one}'
+    body = f'{one} ( {more} )* {c("}")} ( {ws} "]" )? ( {ws} "```" )?'
+    rules.spaced = False
+    return rules.add("loose", body)

@@ -360,12 +360,15 @@ class Engine(VocabText):
         lc.llama_set_n_threads(self.ctx, decode, batch)
         self.threads = (decode, batch)
 
-    def make_sampler(self, s: SamplingConfig, gbnf: str = "", triggers: tuple[str, ...] = ()) -> object:
-        """The sampler chain for `s`; with `gbnf`, constrained by that grammar (lazy: from a trigger on)."""
+    def make_sampler(self, s: SamplingConfig, gbnf: str = "", triggers: tuple[str, ...] = (),
+                     says_something: bool = False) -> object:
+        """The sampler chain for `s`; with `gbnf`, constrained by that grammar (lazy: from a trigger on); with
+        `says_something` (a grammar's only), a reply's first token never ends it."""
         if not gbnf:
             return make_sampler(s, self.vocab, self.n_ctx)
         probe = grammar_sampler(self.vocab, gbnf) if triggers else None
-        return make_sampler(s, self.vocab, self.n_ctx, grammar_sampler(self.vocab, gbnf, triggers), triggers, probe)
+        return make_sampler(s, self.vocab, self.n_ctx, grammar_sampler(self.vocab, gbnf, triggers), triggers, probe,
+                            says_something)
 
     def generate(self, sampler, max_tokens: int, gen: Generation, cancelled: Callable[[], bool] | None = None,
                  inject: Callable[[], list[int]] | None = None,

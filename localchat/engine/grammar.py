@@ -8,18 +8,11 @@ import ctypes
 import llama_cpp as lc
 from llama_cpp import llama_cpp as lib
 
-_REGEX_SPECIAL = set("\\^$.|?*+()[]{}")
-
-
-def _pattern(text: str) -> bytes:
-    """`text` as a std::regex (ECMAScript) pattern matching it literally."""
-    out = "".join("\\" + c if c in _REGEX_SPECIAL else "\\n" if c == "\n" else c for c in text)
-    return out.encode()
-
 
 def grammar_sampler(vocab: object, gbnf: str, triggers: tuple[str, ...] = ()) -> object:
-    """The sampler for `gbnf` (root rule `root`); with `triggers`, free until one appears, then
-    constrained from where it starts. ValueError when llama.cpp refuses the grammar."""
+    """The sampler for `gbnf` (root rule `root`); with `triggers` (regular expressions, as std::regex reads
+    them), free until one matches the reply, then constrained from the match's first group (or the match
+    where it has none). ValueError when llama.cpp refuses the grammar."""
     if not triggers:
         sampler = lc.llama_sampler_init_grammar(vocab, gbnf.encode(), b"root")
     else:
@@ -28,7 +21,7 @@ def grammar_sampler(vocab: object, gbnf: str, triggers: tuple[str, ...] = ()) ->
                          ctypes.POINTER(ctypes.c_char_p), ctypes.c_size_t, ctypes.POINTER(lc.llama_token),
                          ctypes.c_size_t]
         init.restype = lc.llama_sampler_p_ctypes
-        patterns = (ctypes.c_char_p * len(triggers))(*(_pattern(t) for t in triggers))
+        patterns = (ctypes.c_char_p * len(triggers))(*(t.encode() for t in triggers))
         sampler = init(vocab, gbnf.encode(), b"root", patterns, len(triggers), None, 0)
     if not sampler:
         raise ValueError("llama.cpp refused the tool-call grammar")

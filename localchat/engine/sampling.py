@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,12 +27,13 @@ class Constrained:
     chain: object
     grammar: object
     stateless: bool  # no penalties: the chain's own draw (which accepts its token) may be the first try
-    triggers: tuple[bytes, ...] = ()  # a lazy grammar's: free text until one of them appears
+    triggers: tuple[re.Pattern[bytes], ...] = ()  # a lazy grammar's: free text until one of them matches
     probe: object | None = None  # the same grammar, not lazy: what a trigger's token would start is tried on a copy
+    says_something: bool = False  # the reply does not end before it says something (a tool loop's after results)
 
 
 def make_sampler(s: SamplingConfig, vocab: object, n_ctx: int, grammar: object | None = None,
-                 triggers: tuple[str, ...] = (), probe: object | None = None) -> object:
+                 triggers: tuple[str, ...] = (), probe: object | None = None, says_something: bool = False) -> object:
     """llama.cpp's sampler chain for these settings, in llama.cpp's own order: penalties, DRY, then
     top-k, top-p, min-p, temperature and the draw (greedy at temperature 0); with a `grammar` sampler,
     the two as one `Constrained` (lazy from `triggers` on, `probe` being the same grammar from the start)."""
@@ -39,7 +41,8 @@ def make_sampler(s: SamplingConfig, vocab: object, n_ctx: int, grammar: object |
     stateless = s.repeat_penalty == 1.0 and s.dry_multiplier <= 0
     if grammar is None:
         return chain
-    return Constrained(chain, grammar, stateless, tuple(t.encode() for t in triggers), probe)
+    return Constrained(chain, grammar, stateless, tuple(re.compile(t.encode()) for t in triggers), probe,
+                       says_something)
 
 
 def _chain(s: SamplingConfig, vocab: object, n_ctx: int) -> object:
@@ -153,8 +156,8 @@ class _ConstrainedDraw:
         self.ids = np.arange(self.n_vocab, dtype=np.int32)
         self.one = (lc.llama_token_data * 1)()
         self.awaiting = bool(s.triggers)  # a lazy grammar waiting for its trigger
-        self.tail = bytearray()  # meanwhile, the reply's last bytes, where a trigger may begin
-        self.keep = max((len(t) for t in s.triggers), default=1) - 1
+        self.text = bytearray()  # meanwhile, the reply so far (llama.cpp's trigger buffer)
+        self.silent = True  # nothing but white space drawn yet
 
     def candidates(self, i: int) -> lc.llama_token_data_array:
         self.view["id"], self.view["logit"], self.view["p"] = self.ids, logits(self.ctx, i, self.n_vocab), 0.0
@@ -179,27 +182,52 @@ class _ConstrainedDraw:
     def starts_well(self, tok: int) -> bool:
         """Whether the call a token's text would open (with what came before) is one the grammar takes:
         llama.cpp aborts on accepting a token whose trigger starts text its grammar refuses."""
-        text = bytes(self.tail) + _piece(self.vocab, tok)
-        starts = [text.find(t) for t in self.s.triggers if t in text]
-        return not starts or self.s.probe is None or _takes(self.s.probe, self.vocab, text[min(starts):])
+        text = bytes(self.text) + _piece(self.vocab, tok)
+        at = _trigger_at(self.s.triggers, text)
+        return at < 0 or self.s.probe is None or _takes(self.s.probe, self.vocab, text[at:])
+
+    def ends_unsaid(self, tok: int) -> bool:
+        """Whether, with `says_something`, `tok` would end the reply before anything was said: an end of
+        generation, or a control token that opens no call (a small model's <|im_start|> after results)."""
+        if not (self.s.says_something and self.silent):
+            return False
+        if lc.llama_vocab_is_eog(self.vocab, tok):
+            return True
+        opens_call = _trigger_at(self.s.triggers, _piece(self.vocab, tok)) >= 0
+        return bool(lc.llama_vocab_is_control(self.vocab, tok)) and not opens_call
+
+    def refuses(self, tok: int) -> bool:
+        if self.ends_unsaid(tok):
+            return True
+        return not self.starts_well(tok) if self.awaiting else not _grammar_takes(self.s.grammar, self.one, tok)
 
     def draw(self, i: int) -> int:
-        s, tok, refused = self.s, self.first_try(i), []
-        if self.awaiting:
-            while not self.starts_well(tok):
-                refused.append(tok)
-                tok = _end_of_text(self.vocab) if len(refused) > MAX_REDRAWS else self.redraw(i, refused)
-        elif not _grammar_takes(s.grammar, self.one, tok):
+        s, tok, refused = self.s, self.first_try(i), list[int]()
+        while self.refuses(tok):  # one loop: a token redrawn for one reason is checked for the other too
             refused.append(tok)
+            if len(refused) > MAX_REDRAWS:
+                tok = _end_of_text(self.vocab)
+                break
             tok = self.redraw(i, refused)
+        self.silent = self.silent and not _piece(self.vocab, tok).strip()
         if not s.stateless or refused:
             lc.llama_sampler_accept(s.chain, tok)
         if self.awaiting:
-            self.tail.extend(_piece(self.vocab, tok))
-            self.awaiting = not any(t in self.tail for t in s.triggers)
-            del self.tail[:max(0, len(self.tail) - self.keep)]
+            self.text.extend(_piece(self.vocab, tok))
+            self.awaiting = _trigger_at(s.triggers, bytes(self.text)) < 0
         lc.llama_sampler_accept(s.grammar, tok)
         return tok
+
+
+def _trigger_at(triggers: tuple[re.Pattern[bytes], ...], text: bytes) -> int:
+    """Where llama.cpp's lazy grammar starts in `text` (-1: it still waits): the first pattern that matches,
+    from its first group that matched text, else from the match's start."""
+    for pattern in triggers:
+        m = pattern.search(text)
+        if m:
+            groups = [m.start(g) for g in range(1, pattern.groups + 1) if m.end(g) > m.start(g)]
+            return groups[0] if groups else m.start()
+    return -1
 
 
 def _grammar_takes(grammar: object, one: ctypes.Array, tok: int) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 from localchat import paths
 from localchat.errors import ModelError
 from localchat.machine import modelcheck
-from localchat.machine.fetch import BUILTIN_MODELS, Report, cached_path, ensure_builtin
+from localchat.machine.fetch import ASSISTANT, BUILTIN_MODELS, Report, cached_path, ensure_builtin
 from localchat.machine.gguf_file import GGML_TYPE_NAMES, GGUFInfo, read_gguf
 
 # bytes per stored value for each KV cache type
@@ -239,7 +239,7 @@ def discover() -> list[FoundModel]:
 
 def resolve(spec: str | None, report: Report) -> Path:
     """A model path from a file path, a built-in alias or the name of a discovered model."""
-    spec = spec or "demo"
+    spec = spec or ASSISTANT
     if spec in BUILTIN_MODELS:
         return ensure_builtin(spec, report)
     p = Path(spec).expanduser()

@@ -18,11 +18,12 @@ import select
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from localchat.arguments import validate
 from localchat.fsutil import atomic_write, walk_files
 from localchat.tools.rooted import Place, Root
 
@@ -32,6 +33,10 @@ RESULT_CHARS = 12_000  # a result longer than this is cut (and says so): a small
 READ_BYTES = 4 << 20  # a file larger than this is read only in part
 MOST_FILES = 2_000
 MOST_MATCHES = 200
+MOST_LISTED = 50  # files named where a path given does not exist
+MOST_WORD_HITS = 20  # lines shown where a phrase is found only by its words
+_COMMON = {"the", "and", "for", "with", "that", "this", "from", "are", "was", "what", "which", "when", "where"}
+SHOWN_CHARS = 4_000  # of a file shown where an edit of it cannot apply
 
 
 NAME_CHARS = 256  # a path, glob or pattern longer than this is refused (and a constrained call cannot run on)
@@ -50,14 +55,17 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
     "read_file": _schema("Read a text file in the working directory (optionally lines start to end, from 1).",
                          {"path": ("string", "The file's path."), "start": ("integer", "First line (from 1)."),
                           "end": ("integer", "Last line.")}, ("path",)),
+    # no example glob in the words: a small model copies it into every call (measured, docs/BENCHMARKS.md)
     "list_files": _schema("List files in the working directory (hidden and .gitignore'd ones skipped).",
-                          {"glob": ("string", "A glob such as **/*.py (default: every file).")}, ()),
-    "search_text": _schema("Search text files for a regular expression; gives path:line: text.",
+                          {"glob": ("string", "Only paths matching this glob (default: every file).")}, ()),
+    "search_text": _schema("Search the files in the working directory for a regular expression; gives path:line: "
+                           "text.",
                            {"pattern": ("string", "A regular expression (Python syntax)."),
-                            "glob": ("string", "Only files matching this glob.")}, ("pattern",)),
+                            "glob": ("string", "Only paths matching this glob (default: every text file).")},
+                           ("pattern",)),
     "search_conversations": _schema(
-        "Search the user's past conversations with you (every saved session); gives the best matching "
-        "messages with their session, turn and date.",
+        "Search what the user and you said in earlier chats (every saved session): what the user told you "
+        "before; gives the best matching messages with their session, turn and date.",
         {"query": ("string", "Words to look for (any of them; the best matches hold most)."),
          "limit": ("integer", "How many matches (default 5).")}, ("query",)),
     "write_file": _schema("Write a whole file (created or replaced).",
@@ -71,8 +79,7 @@ _SCHEMAS: dict[str, dict[str, Any]] = {
 }
 for _name, _s in _SCHEMAS.items():
     _s["function"]["name"] = _name
-_JSON_TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,), "number": (int, float),
-                                            "boolean": (bool,), "object": (dict,), "array": (list,)}
+
 
 
 @dataclass(frozen=True)
@@ -106,27 +113,6 @@ class Result:
 
 class ToolError(Exception):
     """A call that cannot run as asked; its text goes back to the model."""
-
-
-def validate(schema: dict[str, Any], args: Any) -> str:
-    """Why `args` does not fit the tool's JSON schema ("" when it does): required keys, known keys, types."""
-    params = schema["function"]["parameters"]
-    if not isinstance(args, dict):
-        return "the arguments are not a JSON object"
-    missing = [k for k in params.get("required", []) if k not in args]
-    unknown = [k for k in args if k not in params["properties"]]
-    if missing or unknown:
-        return "; ".join(x for x in (missing and f"missing {', '.join(missing)}",
-                                     unknown and f"unknown {', '.join(unknown)}") if x)
-    for k, v in args.items():
-        kind = params["properties"][k].get("type", "")
-        kinds = _JSON_TYPES.get(kind, (object,)) if isinstance(kind, str) else (object,)  # a list of types: any
-        if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
-            return f"{k} must be a {params['properties'][k]['type']}"
-        most = params["properties"][k].get("maxLength")
-        if most is not None and isinstance(v, str) and len(v) > most:
-            return f"{k} is {len(v):,} characters, more than {most:,}"
-    return ""
 
 
 def advance_problem(names: tuple[str, ...]) -> str:
@@ -177,9 +163,12 @@ class Toolbox:
         self.cancelled = cancelled
         result = self.run(call.name, call.arguments, ready)
         if self.report is not None:
-            shown = _arguments(call.arguments) if isinstance(call.arguments, dict) else ""
-            self.report(f"[tool {call.name}({shown[:200]}): {result.status}, {len(result.text):,} characters]")
+            self.report(call_line(call.name, call.arguments, result))
         return result
+
+    def changes(self, name: str) -> bool:
+        """Whether a call of the tool may change what the other tools see (a write, an edit, a command)."""
+        return name not in READ_ONLY
 
     def preview(self, call: Any) -> Result | None:
         """The result of a read-only call inside the working directory that will wait for the user's
@@ -257,7 +246,9 @@ class Toolbox:
         text = _current(path)
         count = text.count(old) if old else 0
         if count != 1:
-            raise ToolError(f"the text to replace occurs {count} times in the file; it must occur once")
+            # the file as it is: what a model needs to write an edit that applies
+            raise ToolError(f"the text to replace occurs {count} times in the file; it must occur once. "
+                            f"The file holds:\n{cap(text, SHOWN_CHARS)}")
         return text, text.replace(old, new, 1)
 
     # ------------------------------------------------------------ the tools
@@ -265,6 +256,8 @@ class Toolbox:
         p = self.root.place(path).path
         if p.is_dir():
             raise ToolError(f"{path} is a directory (list_files lists it)")
+        if not p.exists():
+            raise ToolError(f"there is no file {path}; the files here: {self._some_files()}")
         with open(p, "rb") as f:
             data = f.read(READ_BYTES)
         if b"\0" in data[:8192]:
@@ -275,19 +268,76 @@ class Toolbox:
 
     def _files(self, pattern: str) -> list[Path]:
         files = walk_files(self.root.root, MOST_FILES)
-        return [f for f in files if fnmatch.fnmatch(self.root.relative(f), pattern or "*")
-                or fnmatch.fnmatch(f.name, pattern or "*")]
+        pattern = pattern or "*"
+        top = pattern[3:] if pattern.startswith("**/") else pattern  # **/ also matches no folder, as in git
+        return [f for f in files if fnmatch.fnmatch(self.root.relative(f), pattern)
+                or fnmatch.fnmatch(self.root.relative(f), top) or fnmatch.fnmatch(f.name, pattern)]
 
     def _list_files(self, glob: str = "") -> str:
         found = [self.root.relative(f) for f in self._files(glob)]
         return "\n".join(found) if found else "no files match"
 
     def _search_text(self, pattern: str, glob: str = "") -> str:
+        found = self._matches(pattern, glob)
+        if found:
+            return found
+        # a small model's glob and phrase are guesses more often than not: where they find nothing, the result
+        # says so and what a wider search finds (every file, any case, any of the phrase's words)
+        said = f"no matches in files matching {glob}" if glob else "no matches"
+        for wider, how in (("", "in all files"), ("(?i)", "in any case"), ("words", "lines with some of its words"),
+                           ("alike", "lines with words spelt alike (a misspelling either way)")):
+            if wider == "words":
+                found = self._some_words(pattern)
+            elif wider == "alike":
+                found = self._spelt_alike(pattern)
+            elif not (wider == "" and not glob):
+                found = self._matches(wider + pattern, "")
+            if found:
+                return f"{said}; {how}:\n{found}"
+        return said + ("; none in any file" if glob else "")
+
+    def _some_words(self, pattern: str) -> str:
+        """Lines holding any of a phrase's words (of 3 letters or more), those with the most first."""
+        words = [w for w in re.findall(r"\w{3,}", pattern) if w.lower() not in _COMMON]
+        if len(words) < 2:
+            return ""
+        hits = self._matches("(?i)" + "|".join(re.escape(w) for w in words), "").splitlines()
+        score = {h: sum(w.lower() in h.lower() for w in words) for h in hits}
+        return "\n".join(sorted(hits, key=lambda h: -score[h])[:MOST_WORD_HITS])
+
+    def _spelt_alike(self, pattern: str) -> str:
+        """Lines holding a word spelt almost like one of the pattern's (the user's "recieve" searched as
+        "receive", or the other way round)."""
+        wanted = [w.lower() for w in re.findall(r"[^\W\d_]{4,}", pattern)]
+        if not wanted:
+            return ""
+        known = {w.lower() for _, line in self._lines("") for w in re.findall(r"[^\W\d_]{4,}", line)}
+        alike = {m for w in wanted for m in difflib.get_close_matches(w, known, n=3, cutoff=0.8)} - set(wanted)
+        if not alike:
+            return ""
+        hits = self._matches("(?i)\\b(" + "|".join(map(re.escape, sorted(alike))) + ")\\b", "").splitlines()
+        return "\n".join(hits[:MOST_WORD_HITS])
+
+    def _some_files(self) -> str:
+        files = [self.root.relative(f) for f in self._files("")]
+        return ", ".join(files[:MOST_LISTED]) + (f" and {len(files) - MOST_LISTED} more" if len(files) > MOST_LISTED
+                                                 else "") if files else "none"
+
+    def _matches(self, pattern: str, glob: str) -> str:
         try:
             rx = re.compile(pattern)
         except re.error:
             rx = re.compile(re.escape(pattern))  # not a regular expression: searched as plain text
         hits: list[str] = []
+        for place, line in self._lines(glob):
+            if rx.search(line):
+                hits.append(f"{place}: {line[:300]}")
+                if len(hits) >= MOST_MATCHES:
+                    return "\n".join(hits) + f"\n[stopped at {MOST_MATCHES} matches]"
+        return "\n".join(hits)
+
+    def _lines(self, glob: str) -> Iterator[tuple[str, str]]:
+        """Each text line of the files `glob` matches, with its place (path:line)."""
         for f in self._files(glob):
             try:
                 with open(f, "rb") as fh:
@@ -297,11 +347,7 @@ class Toolbox:
             if b"\0" in data[:8192]:
                 continue
             for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
-                if rx.search(line):
-                    hits.append(f"{self.root.relative(f)}:{n}: {line[:300]}")
-                    if len(hits) >= MOST_MATCHES:
-                        return "\n".join(hits) + f"\n[stopped at {MOST_MATCHES} matches]"
-        return "\n".join(hits) if hits else "no matches"
+                yield f"{self.root.relative(f)}:{n}", line
 
     def _write_file(self, path: str, content: str) -> str:
         p = self.root.place(path).path
@@ -321,6 +367,24 @@ class Toolbox:
 
     def _run_command(self, command: str) -> str:
         return run_shell(command, self.root.root, self.timeout, self.cancelled)
+
+
+SHOWN_LINES = 20  # a command's output shown under its call line; the rest is counted
+
+
+def call_line(name: str, args: Any, result: Result) -> str:
+    """What the user is told of a call that ran or was refused: the call, how it ended and why (a failure's
+    reason); a command's output, its first lines."""
+    shown = _arguments(args)[:200] if isinstance(args, dict) else ""
+    if result.status in ("error", "denied"):
+        reason = (result.text.strip().splitlines() or [""])[0][:300]
+        return f"[tool {name}({shown}): {result.status}: {reason}]"
+    head = f"[tool {name}({shown}): {result.status}, {len(result.text):,} characters]"
+    if name != "run_command":
+        return head
+    lines = result.text.rstrip("\n").splitlines()
+    more = f"\n  ... {len(lines) - SHOWN_LINES} more lines (the model has them all)" if len(lines) > SHOWN_LINES else ""
+    return head + "".join(f"\n  | {line[:300]}" for line in lines[:SHOWN_LINES]) + more
 
 
 def _arguments(args: dict[str, Any]) -> str:

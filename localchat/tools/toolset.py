@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from localchat.arguments import validate
 from localchat.fsutil import atomic_write
-from localchat.tools.builtin import RESULT_CHARS, Request, Result, Toolbox, cap, validate
+from localchat.tools.builtin import RESULT_CHARS, Request, Result, Toolbox, call_line, cap
 from localchat.tools.mcp import Hub, McpTool
 from localchat.tools.mcpconfig import ServerSpec
 
@@ -149,6 +150,9 @@ class ToolSet:
         return self._offered[name].server if name in self._offered else ""
 
     # ------------------------------------------------------------ calls
+    def changes(self, name: str) -> bool:
+        return name in self._offered or self.box.changes(name)  # an MCP tool's effects are its server's
+
     def preview(self, call: Any) -> Result | None:
         return None if call.name in self._offered else self.box.preview(call)
 
@@ -157,7 +161,7 @@ class ToolSet:
             return self.box.call(call, cancelled, ready)
         result = self._run(call.name, call.arguments, cancelled)
         if self.box.report is not None:
-            self.box.report(f"[tool {call.name}: {result.status}, {len(result.text):,} characters]")
+            self.box.report(call_line(call.name, call.arguments, result))
         return result
 
     def _run(self, name: str, arguments: Any, cancelled: Callable[[], bool] | None) -> Result:

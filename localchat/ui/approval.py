@@ -32,8 +32,8 @@ def describe(request: Request) -> str:
     """The call whole, as the user approves it."""
     if any(request.budget):
         made, asked = request.budget
-        return (f"the model asks for {asked} more tool calls; with the {made} it made in this reply they pass "
-                f"its budget (max_tool_calls)")
+        return (f"the model asks for {asked} more tool call{'s' * (asked != 1)}; with the {made} it made in this "
+                f"reply {'they pass' if asked != 1 else 'it passes'} its budget (max_tool_calls)")
     kind = f"a tool of the MCP server {request.server}: it may change anything the server reaches" if \
         request.server else "changes files or runs a command" if request.side_effect else "reads"
     where = f"\n  outside the working directory: {request.outside}" if request.outside else ""
@@ -43,7 +43,7 @@ def describe(request: Request) -> str:
 
 def keys_line(request: Request) -> str:
     if any(request.budget):
-        return "go on with tool calls (a new budget)?  [o] yes  [d] no: stop here  (Ctrl-C: stop)"
+        return "go on with tool calls (a new budget)?  [o] yes  [d] no: answer from what it has  (Ctrl-C: stop)"
     always = f"  [a] always for {request.tool}" if request.may_always else ""
     return f"approve {request.tool}?  [o] once{always}  [d] deny  [e] edit the arguments  (Ctrl-C: deny, stop)"
 

@@ -40,15 +40,20 @@ class Interrupt:
         return self.flag
 
 
+NO_ANSWER = -1  # _line's word for a turn whose tool loop ended without an answer: the chat goes on, exit 1
+
+
 def run_lines(ctl: Session, after_turn: Callable[[TurnStats], None],
               stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
               show_reasoning: bool = False) -> int:
     """The chat over lines: the answers on stdout, a reasoning model's thoughts on stderr with
     show_reasoning (else not at all). The exit code: 0; 2 when the model's chat template failed
-    mid-chat (a script must not take a chat that cannot go on for a success); 128 + the signal when
-    SIGHUP or SIGTERM ended it (the reply in flight kept as cut, everything saved by the caller)."""
+    mid-chat (a script must not take a chat that cannot go on for a success); 1 when a tool loop ended
+    without an answer (the chat went on); 128 + the signal when SIGHUP or SIGTERM ended it (the reply in
+    flight kept as cut, everything saved by the caller)."""
     out = _Output(stdout, stderr)
     busy = [False]  # a turn or a command is running: a signal stops it; between turns it ends the reading
+    failed = False  # a tool loop ended without an answer: the exit code says so at the end
 
     def between_turns(_sig: int) -> None:
         if not busy[0]:
@@ -63,18 +68,20 @@ def run_lines(ctl: Session, after_turn: Callable[[TurnStats], None],
                 busy[0] = True
                 code = _line(ctl, raw.rstrip("\r\n"), after_turn, out, show_reasoning, ending)
                 busy[0] = False
-                if code is not None or ending:
+                failed = failed or code == NO_ANSWER
+                if (code is not None and code != NO_ANSWER) or ending:
                     return ending.exit_code if ending else code or 0
         except Hangup:
             pass
-    return ending.exit_code
+    return ending.exit_code or int(failed)
 
 
 def run_once(ctl: Session, message: str, after_turn: Callable[[TurnStats], None], as_json: bool = False,
              show_reasoning: bool = False, verbose: bool = False) -> int:
     """A one-shot prompt: its reply on stdout (with as_json, one object with the reply and the turn's
-    stats), nothing else unless verbose. Exit code: 0; 130 after Ctrl-C, 128 + the signal after SIGHUP
-    or SIGTERM (what came is kept and printed); 2 when the template failed."""
+    stats), nothing else unless verbose. Exit code: 0; 1 when a tool loop ended without an answer (said on
+    stderr); 130 after Ctrl-C, 128 + the signal after SIGHUP or SIGTERM (what came is kept and printed); 2
+    when the template failed."""
     reply = io.StringIO()
     out = _Output(reply if as_json else sys.stdout, sys.stderr)
     with Ending() as ending, Interrupt() as interrupted:
@@ -96,7 +103,10 @@ def run_once(ctl: Session, message: str, after_turn: Callable[[TurnStats], None]
         out.emit("\n")
     if verbose or st.cut:
         out.note(status.summary_line(st))
-    return ending.exit_code or (130 if interrupted() else 0)
+    why = unanswered(ctl, st)
+    if why:
+        out.note(why)
+    return ending.exit_code or (130 if interrupted() else 1 if why else 0)
 
 
 class _Output:
@@ -164,4 +174,20 @@ def _line(ctl: Session, line: str, after_turn: Callable[[TurnStats], None], out:
         out.note(f"localchat: {exc}")
         return 2
     out.note(status.summary_line(result))
+    if why := unanswered(ctl, result):
+        out.note(why)
+        return NO_ANSWER
     return None
+
+
+def unanswered(ctl: Session, st: TurnStats) -> str:
+    """Why a turn that called tools (or opened a call) ended without an answer: its last reply said nothing
+    or called ("" when it answered, or called nothing)."""
+    last = ctl.chat.conv.messages[-1] if ctl.chat.conv.messages else None
+    broken = st.extra.get("tool_call_error")  # words before a call that could not run answer nothing
+    if not (st.steps or broken) or last is None or last.role != "assistant" or \
+            (last.content.strip() and not last.calls and not broken):
+        return ""
+    calls = sum(s.extra.get("tool_calls", 0) for s in [*st.steps, st])
+    why = st.extra.get("tool_call_error") or st.stop_reason
+    return f"localchat: the tool loop ended without an answer after {calls} call{'s' * (calls != 1)} ({why})"

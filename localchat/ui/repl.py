@@ -111,6 +111,8 @@ class Repl:
     def _toolbar(self) -> FormattedText:
         self.bar.autosave = self.ctl.save_status  # set by the writer thread; shown at the next redraw
         self.bar.read_ahead = self.ctl.chat.ahead.read_ahead_tokens
+        if self.bar.phase:  # a turn (a tool loop's steps too) fills the context as it goes
+            self.bar.ctx_used = len(self.ctl.rt.engine.tokens)
         return FormattedText(status.toolbar(self.bar))
 
     def _prompt_session(self) -> PromptSession:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localchat.chat.stats import TurnStats
-from localchat.chat.tools import BUDGET_STOP
+from localchat.chat.tools import BUDGET_STOP, REPEAT_STOP
 
 Fragments = list[tuple[str, str]]
 
@@ -53,12 +53,13 @@ def _where(s: BarState) -> str:
     return f"| GPU {s.layers_gpu}/{s.layers_total} " if s.layers_gpu else "| CPU "
 
 
-BUDGET_WORDS = "tool calls stopped at the reply's budget"
+LOOP_END_WORDS = {BUDGET_STOP: "answered at the budget of tool calls",
+                  REPEAT_STOP: "answered after a repeated tool call"}
 
 
 def cut_words(st: TurnStats) -> str:
     """Why the reply is cut, as the terminal says it under the reply."""
-    return BUDGET_WORDS if st.stop_reason == BUDGET_STOP else f"reply cut: {st.stop_reason}"
+    return f"reply cut: {st.stop_reason}"
 
 
 def _reply_parts(st: TurnStats) -> list[str]:
@@ -80,6 +81,16 @@ def _reply_parts(st: TurnStats) -> list[str]:
     return parts
 
 
+def turn_speed(st: TurnStats) -> tuple[float, float]:
+    """A whole turn's TTFT (from Enter to its first reply's first token) and decode speed (over every reply
+    of a tool loop): a loop's last step alone may have no reply at all."""
+    steps = [*st.steps, st]
+    ttft = next((s.ttft_s for s in steps if s.ttft_s > 0), 0.0)
+    timed = [s for s in steps if s.decode_tps > 0 and s.reply_tokens > 0]
+    seconds = sum(s.reply_tokens / s.decode_tps for s in timed)
+    return ttft, sum(s.reply_tokens for s in timed) / seconds if seconds else 0.0
+
+
 def _stored(st: TurnStats) -> list[str]:
     """Where the cached tokens came from, when the prefix store gave them (a document read before)."""
     n = st.extra.get("prefix_store_tokens", 0)
@@ -88,15 +99,18 @@ def _stored(st: TurnStats) -> list[str]:
 
 def summary_line(st: TurnStats) -> str:
     """One line per turn on stderr in line mode; the same numbers as --stats-json."""
+    ttft, tps = turn_speed(st)
     parts = [f"[turn {st.turn}] cached {st.cached_tokens}, recomputed {st.recomputed_tokens} (new {st.new_tokens})",
-             *_stored(st), f"ctx {st.ctx_used}/{st.n_ctx}", f"TTFT {st.ttft_s:.2f}s", f"{st.decode_tps:.1f} tok/s",
+             *_stored(st), f"ctx {st.ctx_used}/{st.n_ctx}", f"TTFT {ttft:.2f}s", f"{tps:.1f} tok/s",
              *_reply_parts(st)]
     if st.shifted_tokens:
         parts.append(f"shifted {st.shifted_tokens}")
     if st.kv_restored:
         parts.append("KV restored")
     if st.cut:
-        parts.append(BUDGET_WORDS if st.stop_reason == BUDGET_STOP else f"cut ({st.stop_reason})")
+        parts.append(f"cut ({st.stop_reason})")
+    if st.extra.get("loop_end") in LOOP_END_WORDS:
+        parts.append(LOOP_END_WORDS[st.extra["loop_end"]])
     if st.miss_cause:
         parts.append(f"MISS: {st.miss_cause}")
     return " | ".join(parts)
@@ -114,9 +128,10 @@ def toolbar(s: BarState) -> Fragments:
     st = s.last
     if st is not None:
         style = "class:bar.miss" if st.cache_miss else "class:bar.hit"
+        ttft, tps = turn_speed(st)
         frags += [(style, f" cached {st.cached_tokens} recomputed {st.recomputed_tokens} "),
                   *[("class:bar.hit", f"| {part} ") for part in _stored(st)],
-                  ("class:bar", f"| TTFT {st.ttft_s:.2f}s | {st.decode_tps:.1f} tok/s ")]
+                  ("class:bar", f"| TTFT {ttft:.2f}s | {tps:.1f} tok/s ")]
         frags += [("class:bar", f"| {part} ") for part in _reply_parts(st)]
         if st.cache_miss and st.miss_cause:
             frags.append(("class:bar.miss", f"| MISS: {st.miss_cause} "))

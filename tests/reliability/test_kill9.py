@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import run_cli
 
-ARGS = ["--temperature", "0", "--max-tokens", "24"]
+ARGS = ["--model", "demo", "--temperature", "0", "--max-tokens", "24"]
 SYSTEM = "You are a careful assistant who answers in one sentence. " * 6
 QUESTIONS = "".join(f"Question {i}: name a colour.\n" for i in range(5))
 

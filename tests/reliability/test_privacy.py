@@ -16,8 +16,8 @@ import localchat
 def test_every_file_is_private_whatever_the_umask(home, tmp_path, tally):
     env = {**os.environ, "LOCALCHAT_HOME": str(home)}
     for umask, session in ((0o000, "u0"), (0o022, "u22"), (0o002, "u2")):
-        r = subprocess.run([sys.executable, "-m", "localchat", "--temperature", "0", "--max-tokens", "8",
-                            "--session", session, "--system", "Private system prompt. " * 5],
+        r = subprocess.run([sys.executable, "-m", "localchat", "--model", "demo", "--temperature", "0", "--max-tokens",
+                            "8", "--session", session, "--system", "Private system prompt. " * 5],
                            input="Hello there\n/save copy-" + session + "\n", capture_output=True, text=True, env=env,
                            preexec_fn=lambda m=umask: os.umask(m), timeout=300)
         assert r.returncode == 0, r.stderr
@@ -56,8 +56,8 @@ def test_nothing_is_written_outside_home_and_the_models_cache(tmp_path, tally):
     from localchat.machine.fetch import ensure_builtin
     env["LOCALCHAT_MODELS"] = str(ensure_builtin("demo", lambda t: None).parent)
     before = set(Path(env["LOCALCHAT_MODELS"]).iterdir())
-    r = subprocess.run([sys.executable, "-m", "localchat", "--max-tokens", "8", "--session", "p"], input="Hello\n",
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "localchat", "--model", "demo", "--max-tokens", "8", "--session", "p"],
+                       input="Hello\n", capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     written_home = [p for p in fake_home.rglob("*")]
     written_tmp = [p for p in (tmp_path / "tmp").rglob("*")]

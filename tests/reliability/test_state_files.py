@@ -26,12 +26,14 @@ def lab(tmp_path_factory, demo_path):
     mp = pytest.MonkeyPatch()
     mp.setenv("LOCALCHAT_HOME", str(home))
     env = {"LOCALCHAT_HOME": str(home)}
-    args = ["--temperature", "0", "--max-tokens", "8"]
-    for name, extra in (("src", []), ("other", []), ("gemma", ["--model", "gemma-270m"]), ("q8", ["--kv-type", "q8_0"])):
+    args, demo = ["--temperature", "0", "--max-tokens", "8"], ["--model", str(demo_path)]
+    for name, extra in (("src", demo), ("other", demo), ("gemma", ["--model", "gemma-270m"]),
+                        ("q8", [*demo, "--kv-type", "q8_0"])):
         text = "Hello there\n" if name != "other" else "Something else entirely\n"
         r = run_cli([*args, "--session", name, *extra], stdin=text, env=env)
         assert r.returncode == 0, r.stderr
-    rt = runtime.open_runtime(runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 8}), lambda t: None)
+    rt = runtime.open_runtime(runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 8,
+                                                           "model": str(demo_path)}), lambda t: None)
     yield home, rt
     rt.close()
     mp.undo()

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import run_cli
 from tests.test_tmux import start as start_tmux
 
-ARGS = ["--temperature", "0", "--speculate", "off"]
+ARGS = ["--model", "demo", "--temperature", "0", "--speculate", "off"]
 STORY = "Write a long story about a dragon who loves bread."
 
 
@@ -137,6 +137,7 @@ def test_closing_the_terminal_window_mid_reply_keeps_the_turn_in_flight(home, tm
 
 def test_kill_9_mid_tool_loop_keeps_every_completed_step(home, tmp_path, tools_model, tally):
     (tmp_path / "notes.txt").write_text("Bread is made of flour, water and salt.\n")
+    # the last --model counts: the tools model, not ARGS' demo
     tools = [*ARGS, "--model", str(tools_model), "--tools", "--tool-choice", "required", "--allow-tool", "read_file"]
     env = {**os.environ, "LOCALCHAT_HOME": str(home), "PYTHONPATH": os.getcwd()}
     p = subprocess.Popen([sys.executable, "-m", "localchat", *tools, "--max-tokens", "300", "--session", "loop"],

@@ -1,0 +1,182 @@
+"""Tool calls as small models write them instead of their template's tags: a JSON object naming an
+offered tool ({"name": ..., "arguments": {...}}), bare or in a ```json fence, or a list of such objects.
+Qwen2.5-Coder writes its calls so without the grammar; vLLM's and Ollama's parsers take them too.
+
+A reply's text is read for such a call only where no call of the template's own form opened; an object
+that names no offered tool, or whose arguments do not fit the tool's schema, stays text. The trigger
+pattern hands llama.cpp's lazy grammar the call from its name on (toolgrammar.loose_call), so a call
+written under the grammar always parses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+FENCE = "```"
+NAME_KEYS = ("name", "tool_name")
+ARGS_KEYS = ("arguments", "parameters")
+MOST_HELD = 200  # characters held back while it is not yet known whether they open a call
+# where a reply that may not call is stopped from starting one: a fence for JSON, an object's first key (a small
+# model asked to answer writes its call again with the key or the name misspelt: "name ", "search_text_result")
+NO_CALL_OPENINGS = (r"```json", r'\{\s*"')
+NO, MORE = -1, -2  # a step's answer where it cannot go on: the text opens no call; the text ends too soon
+
+
+def regex_literal(text: str) -> str:
+    """`text` as a regular expression matching it literally, in the syntax both std::regex (ECMAScript,
+    llama.cpp's triggers) and Python's re read alike."""
+    return "".join("\\" + c if c in "\\^$.|?*+()[]{}" else "\\n" if c == "\n" else c for c in text)
+
+
+def trigger(names: Iterable[str]) -> str:
+    """The pattern llama.cpp's lazy grammar starts at: an object's "name" key naming one of `names`; the
+    grammar takes over from the name's opening quote (the pattern's first group)."""
+    return r'\{\s*"name"\s*:\s*(")(?:' + "|".join(regex_literal(n) for n in names) + ')"'
+
+
+def _opening(names: Iterable[str]) -> re.Pattern[str]:
+    """Where a call starts in a reply: its fence, its list's bracket, or its object's brace."""
+    alternatives = "|".join(regex_literal(n) for n in names)
+    return re.compile(r'(?:```(?:json)?[ \t]*\n\s*)?(?:\[\s*)?\{\s*"name"\s*:\s*"(?:' + alternatives + ')"')
+
+
+Fits = Callable[[str, dict[str, Any]], bool]  # (tool, arguments): whether they fit the tool's schema
+
+
+def find(text: str, names: list[str], fits: Fits) -> tuple[int, list[tuple[str, dict[str, Any]]]]:
+    """The first loose call in `text`: (where it starts, [(tool, arguments)]), or (-1, []) when none."""
+    if not names:
+        return -1, []
+    for m in _opening(names).finditer(text):
+        calls = _read(text, m.start(), set(names), fits)
+        if calls:
+            return m.start(), calls
+    return -1, []
+
+
+def opened(text: str, names: list[str]) -> int:
+    """Where a loose call opens in `text` though it may not parse (cut, or arguments that do not fit): -1 where
+    none opens."""
+    m = _opening(names).search(text) if names else None
+    return m.start() if m else -1
+
+
+def _read(text: str, at: int, names: set[str], fits: Fits) -> list[tuple[str, dict[str, Any]]]:
+    start = min(i for i in (text.find("{", at), text.find("[", at)) if i >= 0)
+    try:
+        items = _values(text, start)
+    except ValueError:
+        return []
+    calls = []
+    for item in items:
+        call = _call(item)
+        if call is None or call[0] not in names or not fits(*call):
+            return []
+        calls.append(call)
+    return calls
+
+
+def _values(text: str, start: int) -> list[Any]:
+    """The JSON value at `start` as a list of items: a list's, or an object and the objects that follow it
+    after commas (a list written without its brackets, as the grammar lets it be)."""
+    decoder = json.JSONDecoder()
+    value, end = decoder.raw_decode(text, start)
+    if isinstance(value, list):
+        return value
+    items = [value]
+    while (more := _NEXT_OBJECT.match(text, end)) is not None:
+        value, end = decoder.raw_decode(text, more.end() - 1)
+        items.append(value)
+    return items
+
+
+_NEXT_OBJECT = re.compile(r"\s*,\s*\{")
+
+
+def _call(item: Any) -> tuple[str, dict[str, Any]] | None:
+    if not isinstance(item, dict):
+        return None
+    name = next((item[k] for k in NAME_KEYS if isinstance(item.get(k), str)), None)
+    args: Any = next((item[k] for k in ARGS_KEYS if k in item), {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return (name, args) if name is not None and isinstance(args, dict) else None
+
+
+class Spotter:
+    """While a reply streams: text that may open a loose call is held back until it is known. `state(text)`
+    is 1 where `text` (from a candidate start) opens a call, 0 where it cannot, -1 while unknown."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+
+    def state(self, text: str) -> int:
+        steps = (self._fence, self._bracket, self._brace, self._key, self._colon, self._name)
+        i = 0
+        for step in steps:
+            i = step(text, i)
+            if i == NO:
+                return 0
+            if i == MORE:
+                return -1
+        return 1
+
+    def _fence(self, text: str, i: int) -> int:
+        if not text.startswith("`"):
+            return i
+        if len(text) < 3:
+            return MORE if FENCE.startswith(text) else NO
+        if not text.startswith(FENCE):
+            return NO
+        end = text.find("\n", 3)
+        lang = text[3:end if end >= 0 else len(text)].rstrip(" \t")
+        if end < 0:
+            return MORE if "json".startswith(lang) and len(text) < MOST_HELD else NO
+        return _spaces(text, end + 1) if lang in ("", "json") else NO
+
+    @staticmethod
+    def _bracket(text: str, i: int) -> int:
+        if i >= len(text):
+            return MORE
+        return _spaces(text, i + 1) if text[i] == "[" else i
+
+    @staticmethod
+    def _brace(text: str, i: int) -> int:
+        if i >= len(text):
+            return MORE
+        return _spaces(text, i + 1) if text[i] == "{" else NO
+
+    @staticmethod
+    def _key(text: str, i: int) -> int:
+        return _literal(text, i, '"name"')
+
+    @staticmethod
+    def _colon(text: str, i: int) -> int:
+        i = _literal(text, _spaces(text, i), ":")
+        return i if i in (NO, MORE) else _literal(text, _spaces(text, i), '"')
+
+    def _name(self, text: str, i: int) -> int:
+        end = text.find('"', i)
+        if end < 0:
+            part = text[i:]
+            return MORE if any(n.startswith(part) for n in self.names) else NO
+        return end + 1 if text[i:end] in self.names else NO
+
+
+def _spaces(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _literal(text: str, i: int, word: str) -> int:
+    part = text[i:i + len(word)]
+    if part == word:
+        return i + len(word)
+    return MORE if word.startswith(part) else NO
