@@ -320,16 +320,22 @@ def test_a_repeated_call_is_not_run_again_and_the_loop_ends_in_an_answer(demo_en
     assert all(s.recomputed_tokens <= s.new_tokens + 1 for s in [*st.steps[1:], st])
 
 
-def test_a_failed_call_repeated_gets_another_chance_with_other_arguments(demo_engine, official_dir, tmp_path):
+def _edit_loop(demo_engine, official_dir, tmp_path, calls: list[ToolCall], question: str):
+    """A turn on notes.txt whose replies are `calls` (read_file and edit_file offered), then "Done.": its
+    stats and its results."""
     (tmp_path / "notes.txt").write_text(NOTES)
-    wrong = ToolCall("edit_file", {"path": "notes.txt", "old": "yeast", "new": "sugar"}, "c1")
-    right = ToolCall("edit_file", {"path": "notes.txt", "old": "salt", "new": "sugar"}, "c3")
     chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
     chat.enable_tools(toolbox(tmp_path, ("read_file", "edit_file")), 10, "the demo model")
-    texts = [chat.tool_format.call_text([c]) for c in (wrong, wrong, right)] + ["Done."]
-    with forced_reply(demo_engine, *texts):
-        st = chat.turn("Replace salt by sugar in notes.txt.")
-    results = [m for m in chat.conv.messages if m.role == "tool"]
+    with forced_reply(demo_engine, *[chat.tool_format.call_text([c]) for c in calls], "Done."):
+        st = chat.turn(question)
+    return st, [m for m in chat.conv.messages if m.role == "tool"]
+
+
+def test_a_failed_call_repeated_gets_another_chance_with_other_arguments(demo_engine, official_dir, tmp_path):
+    wrong = ToolCall("edit_file", {"path": "notes.txt", "old": "yeast", "new": "sugar"}, "c1")
+    right = ToolCall("edit_file", {"path": "notes.txt", "old": "salt", "new": "sugar"}, "c3")
+    st, results = _edit_loop(demo_engine, official_dir, tmp_path, [wrong, wrong, right],
+                             "Replace salt by sugar in notes.txt.")
     assert [m.call["status"] for m in results] == ["error", "repeated", "ok"]
     assert "The file holds:\n" + NOTES in results[0].content  # what a model needs to write an edit that applies
     assert "failed with these arguments" in results[1].content and "loop_end" not in st.extra
@@ -339,15 +345,10 @@ def test_a_failed_call_repeated_gets_another_chance_with_other_arguments(demo_en
 def test_a_read_repeated_after_an_edit_runs_again(demo_engine, official_dir, tmp_path):
     """A write, an edit or a command may change what a read returns: after one ran, the same read is not a
     repeat (read, edit, read again to check: the second read shows the edit)."""
-    (tmp_path / "notes.txt").write_text(NOTES)
     read = ToolCall("read_file", {"path": "notes.txt"}, "c1")
     edit = ToolCall("edit_file", {"path": "notes.txt", "old": "salt", "new": "sugar"}, "c2")
-    chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
-    chat.enable_tools(toolbox(tmp_path, ("read_file", "edit_file")), 10, "the demo model")
-    texts = [chat.tool_format.call_text([c]) for c in (read, edit, read)] + ["Done."]
-    with forced_reply(demo_engine, *texts):
-        st = chat.turn("Replace salt by sugar in notes.txt and check it.")
-    results = [m for m in chat.conv.messages if m.role == "tool"]
+    st, results = _edit_loop(demo_engine, official_dir, tmp_path, [read, edit, read],
+                             "Replace salt by sugar in notes.txt and check it.")
     assert [m.call["status"] for m in results] == ["ok", "ok", "ok"] and "loop_end" not in st.extra
     assert "salt" in results[0].content and "sugar" in results[2].content and "salt" not in results[2].content
 
