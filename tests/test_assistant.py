@@ -60,7 +60,7 @@ def test_the_model_reads_a_file_and_answers_from_it(assistant_path, folder, home
     assert "[tool read_file(path='config.yaml'): ok" in r.stderr
     assert rows[0]["prefix_store_tokens"] > 0  # the tool list's KV was not evaluated again
     calls = [line for line in r.stderr.splitlines() if line.startswith("[tool ")]
-    assert len(calls) == len(set(calls)) and len(calls) <= 2, calls  # a repeat is answered from the result above
+    assert len(calls) == len(set(calls)), calls  # no call ran twice: a repeat is pointed to the result above
     for row in rows[1:]:  # every step evaluates what it adds (a loose call laid out as its template writes it)
         assert row["recomputed_tokens"] <= row["new_tokens"] + row["rewritten_call_tokens"] + 1, row
 

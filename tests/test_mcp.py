@@ -272,7 +272,9 @@ def test_no_server_process_outlives_the_chat(home, tools_model, tmp_path, end):
         proc.wait(60)
         err = err_path.read_text()
         if end == "server-kill-9":
-            assert proc.returncode == 0 and "[tool notes_helper(): error" in err, err
+            # line mode exits 1 where a loop ended without an answer (here a reply cut at --max-tokens 24)
+            unanswered = "the tool loop ended without an answer" in err
+            assert proc.returncode == (1 if unanswered else 0) and "[tool notes_helper(): error" in err, err
         alive = [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert alive == [], (end, [p.cmdline() for p in alive])
     finally:

@@ -300,22 +300,26 @@ def test_calls_past_the_budget_wait_for_the_user_and_without_more_the_model_answ
         assert sum(s.extra["tool_calls"] for s in st.steps[1:] + [st]) == (3 if answer else 2)  # calls that ran
 
 
-def test_a_repeated_call_is_not_run_again_and_the_loop_ends_in_an_answer(demo_engine, official_dir, tmp_path):
+def test_a_repeated_call_is_not_run_again_and_a_second_repeat_ends_the_loop_in_an_answer(demo_engine, official_dir,
+                                                                                         tmp_path):
     """Small models call the same tool with the same arguments again after its result (Qwen2.5-Coder-1.5B:
-    7 of 7 tasks in llama-server's loop): the repeat is not run, the model is pointed to the result and
-    its next reply may not call."""
+    7 of 7 tasks in llama-server's loop): a repeat is not run, the model is pointed to the result and may
+    still make a new call; at the second repeat it is told to make no more and its next reply may not call."""
     (tmp_path / "notes.txt").write_text(NOTES)
-    read = ToolCall("read_file", {"path": "notes.txt"}, "c1")
+    read, other = ToolCall("read_file", {"path": "notes.txt"}, "c1"), ToolCall("read_file", {"path": "notes.txt",
+                                                                                            "start": 2}, "c3")
     ran: list[str] = []
     box = Toolbox(Root(tmp_path), approve=lambda r: ran.append(r.tool) or Decision("once"), offered=("read_file",))
     chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
     chat.enable_tools(box, 10, "the demo model")
-    text = chat.tool_format.call_text([read])
-    with forced_reply(demo_engine, text, text, "Flour, water and salt."):
+    text, new = chat.tool_format.call_text([read]), chat.tool_format.call_text([other])
+    with forced_reply(demo_engine, text, text, new, text, "Flour, water and salt."):
         st = chat.turn(QUESTION)
     results = [m for m in chat.conv.messages if m.role == "tool"]
-    assert ran == ["read_file"] and [m.call["status"] for m in results] == ["ok", "repeated"]
+    assert ran == ["read_file", "read_file"]  # the first read and the new one
+    assert [m.call["status"] for m in results] == ["ok", "repeated", "ok", "repeated"]
     assert "already called with these arguments; its result is above" in results[1].content
+    assert "No more tool calls" not in results[1].content and "No more tool calls" in results[3].content
     assert st.extra["loop_end"] == "repeated_calls" and chat.conv.messages[-1].content == "Flour, water and salt."
     assert all(s.recomputed_tokens <= s.new_tokens + 1 for s in [*st.steps[1:], st])
 
@@ -340,6 +344,16 @@ def test_a_failed_call_repeated_gets_another_chance_with_other_arguments(demo_en
     assert "The file holds:\n" + NOTES in results[0].content  # what a model needs to write an edit that applies
     assert "failed with these arguments" in results[1].content and "loop_end" not in st.extra
     assert (tmp_path / "notes.txt").read_text() == NOTES.replace("salt", "sugar")
+
+
+def test_a_failed_call_repeated_twice_ends_the_loop_and_the_model_says_why(demo_engine, official_dir, tmp_path):
+    wrong = ToolCall("edit_file", {"path": "notes.txt", "old": "yeast", "new": "sugar"}, "c1")
+    st, results = _edit_loop(demo_engine, official_dir, tmp_path, [wrong, wrong, wrong],
+                             "Replace yeast by sugar in notes.txt.")
+    assert [m.call["status"] for m in results] == ["error", "repeated", "repeated"]
+    assert "Call it with other arguments" in results[1].content
+    assert "No more tool calls: tell the user why it cannot be done" in results[2].content
+    assert st.extra["loop_end"] == "repeated_calls" and (tmp_path / "notes.txt").read_text() == NOTES
 
 
 def test_a_read_repeated_after_an_edit_runs_again(demo_engine, official_dir, tmp_path):

@@ -5,7 +5,8 @@ Both run the profile's model at temperature 0 with the same built-in tools, thei
 each in a fresh copy of the project folder, localchat and llama-server interleaved so a slow spell of
 the machine hits both alike. localchat runs in-process (the chat the terminal and line mode run; the
 one-shot pipe through the command itself); llama-server (`--jinja`, its own OpenAI API, the tools as
-`tools`) through a client loop that runs the calls it returns, up to the same budget of calls. Per task:
+`tools`) through a client loop that runs the calls it returns, up to the same budget of calls; its pipe on
+a server started for it, timed from its start, with the piped text framed as localchat frames it. Per task:
 success (the task's check), steps, calls, calls printed as text (a reply whose words hold a call naming
 an offered tool), identical calls run, whether it ended without an answer, tokens evaluated (prompt and
 reply, as llama.cpp counts them) and wall time."""
@@ -31,6 +32,7 @@ from localchat.app import past_conversations
 from localchat.bench.idle import median
 from localchat.bench.peer import PeerServer
 from localchat.bench.tasks import TASKS, Done, Task, make_folder, seed_memory
+from localchat.chat.documents import frame
 from localchat.chat.stats import TurnStats
 from localchat.chatformat import loosecalls
 from localchat.settings import Profile
@@ -140,28 +142,43 @@ class Ours:
 class Theirs:
     """llama-server with the same model: a client loop over its OpenAI API that runs the calls it returns."""
 
-    def __init__(self, server: PeerServer, max_calls: int, max_tokens: int, timeout: float):
-        self.server, self.max_calls, self.max_tokens, self.timeout = server, max_calls, max_tokens, timeout
+    def __init__(self, server: PeerServer, cold: Callable[[], PeerServer], profile: Profile):
+        """`cold` starts another llama-server: the one-shot pipe's peer, a process that loads the model and
+        answers once, as ours does (llama.cpp's own one-shot, llama-cli, loads it too). The profile's limits
+        and repeat penalty are the peer's too (greedy replies part where the penalties differ)."""
+        self.server, self.cold = server, cold
+        self.max_calls, self.max_tokens, self.timeout = profile.max_tool_calls, profile.max_tokens, profile.tool_timeout
+        self.sampling = {"repeat_penalty": profile.repeat_penalty, "repeat_last_n": profile.repeat_last_n}
 
     def run(self, task: Task, root: Path) -> Run:
         box = Toolbox(Root(root), scripted_approval, timeout=self.timeout,
                       search=lambda query, limit: past_conversations(query, limit))
-        tools = [] if task.stdin else box.schemas()
+        if task.stdin:
+            return self._one_shot(task, box)
         messages: list[dict[str, Any]] = []
         run, t0 = Run(task.name, task.kind), time.perf_counter()
         ran: list[tuple[str, Any]] = []
         for text in task.turns:
-            messages.append({"role": "user", "content": f"{task.stdin}\n\n{text}" if task.stdin else text})
-            run.answers.append(self._turn(messages, tools, box, run, ran))
+            messages.append({"role": "user", "content": text})
+            run.answers.append(self._turn(self.server, messages, box.schemas(), box, run, ran))
         run.wall_s = time.perf_counter() - t0
         run.identical_run = _identical(ran)
         return run
 
-    def _turn(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], box: Toolbox, run: Run,
-              ran: list[tuple[str, Any]]) -> str:
+    def _one_shot(self, task: Task, box: Toolbox) -> Run:
+        """The piped text framed as localchat frames it (the same prompt), on a server started for it."""
+        run, t0 = Run(task.name, task.kind), time.perf_counter()
+        messages = [{"role": "user", "content": frame("stdin", task.stdin) + task.turns[0]}]
+        with self.cold() as server:
+            run.answers.append(self._turn(server, messages, [], box, run, []))
+        run.wall_s = time.perf_counter() - t0
+        return run
+
+    def _turn(self, server: PeerServer, messages: list[dict[str, Any]], tools: list[dict[str, Any]], box: Toolbox,
+              run: Run, ran: list[tuple[str, Any]]) -> str:
         made = 0
         while True:
-            r = self.server.chat(messages, tools, self.max_tokens, "auto" if tools else "")
+            r = server.chat(messages, tools, self.max_tokens, "auto" if tools else "", self.sampling)
             msg = r["message"]
             run.steps += 1
             run.evaluated += r["prompt_n"] + r["predicted_n"]
@@ -211,7 +228,9 @@ def _suite(ours: Ours, profile: Profile, args: Any, report: Report) -> dict[str,
     server = PeerServer(args.peer_server, ours.rt.engine.config, flags=("--jinja",)) if args.peer_server else None
     with server if server is not None else contextlib.nullcontext():
         if server is not None:
-            peers["llama-server"] = Theirs(server, profile.max_tool_calls, profile.max_tokens, profile.tool_timeout)
+            def cold() -> PeerServer:
+                return PeerServer(args.peer_server, ours.rt.engine.config, flags=("--jinja",))
+            peers["llama-server"] = Theirs(server, cold, profile)
         runs = _rounds(ours, peers, tasks, rounds, report)
     return {"model": ours.rt.model.path.name, "threads": ours.rt.engine.config.threads(),
             "tasks": len(tasks), "rounds": rounds, "runs": runs,

@@ -50,7 +50,7 @@ class PeerServer:
                     return self
             except OSError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)  # a cold start is timed (the assistant bench's pipe): ready is seen within 50 ms
         raise RuntimeError("llama-server did not become ready")
 
     def __exit__(self, *exc) -> None:
@@ -96,11 +96,12 @@ class PeerServer:
         if resp.status != 200:
             raise RuntimeError(f"llama-server did not erase its slot ({resp.status})")
 
-    def chat(self, messages: list[dict], tools: list[dict], max_tokens: int, tool_choice: str = "") -> dict:
+    def chat(self, messages: list[dict], tools: list[dict], max_tokens: int, tool_choice: str = "",
+             sampling: dict | None = None) -> dict:
         """/v1/chat/completions, greedy, the cache kept: wall seconds, prompt tokens evaluated, reply tokens and
-        the reply's message (its content and tool_calls)."""
+        the reply's message (its content and tool_calls); `sampling`: more of its sampling fields (the penalty)."""
         request: dict = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "top_k": 1,
-                         "cache_prompt": True, "stream": False}
+                         "cache_prompt": True, "stream": False, **(sampling or {})}
         if tools:
             request["tools"] = tools
         if tool_choice:

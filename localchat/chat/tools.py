@@ -43,14 +43,20 @@ class Repeated:
     (small models otherwise call again and again: Ollama #15573, comfyui-mcp blocks such repeats)."""
     name: str
     failed: bool = False  # the call it repeats ended in an error: it would fail again
+    last: bool = False  # the loop ends with it: the next reply is the answer
 
     @property
     def text(self) -> str:
         # measured on Qwen2.5-Coder-1.5B (docs/BENCHMARKS.md): after this text it answered 9 of 10 questions
         # right; with the result given again, or an alternative to call on, fewer (5-8), or nothing at all
         if self.failed:
-            return f"{self.name} failed with these arguments (the error is above) and would fail again. Call it " \
-                "with other arguments, or tell the user why it cannot be done."
+            head = f"{self.name} failed with these arguments (the error is above) and would fail again."
+            return head + (" No more tool calls: tell the user why it cannot be done, or answer from the results "
+                           "above." if self.last else " Call it with other arguments, or tell the user why it "
+                           "cannot be done.")
+        if self.last:  # the second repeat: without "no more calls" the 1.5B tried to call again in the answer
+            return f"{self.name} was already called with these arguments; its result is above. No more tool " \
+                "calls: write the answer to the user's question now, in plain words, from the results above."
         return f"{self.name} was already called with these arguments; its result is above. Answer the user's " \
             "question from it now."
 
@@ -92,14 +98,15 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
          go_on: GoOn | None) -> TurnStats:
     """Run the calls of the reply just made, and of the replies that follow, until the model answers
     without calling, the user stops it (Ctrl-C), or a reply is cut. A call repeated with the same
-    arguments is not run again: the model is pointed to its result and answers (its reply may not call);
-    a repeat of a call that failed gets one more chance with other arguments. Where the user does not go
-    on past the budget of calls, the model answers from what it has. The last step's stats are returned;
-    the earlier steps' are in its `steps`, and `loop_end` says why an answer was asked for."""
+    arguments is not run again: the model is pointed to its result (or told that it would fail again) and
+    may still make a new call; a second repeat ends the loop in an answer (its reply may not call). Where
+    the user does not go on past the budget of calls, the model answers from what it has. The last step's
+    stats are returned; the earlier steps' are in its `steps`, and `loop_end` says why an answer was asked
+    for."""
     steps: list[TurnStats] = []
     last, made, ended = first, 0, ""
     seen: dict[str, str] = {}  # each call made in this turn: how it ended
-    failed_repeats = 0
+    repeats = 0
     while not last.cut and not ended and (calls := chat.last_calls()):
         if made + len(calls) > chat.max_tool_calls and not (go_on is not None and go_on(made, len(calls))):
             # each call gets its result (a template renders a call with none as still to answer)
@@ -110,10 +117,10 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
         if made + len(calls) > chat.max_tool_calls:
             made = 0  # the user said go on: a new budget
         before = [seen.get(_key(c)) for c in calls]
-        failed_repeats += sum(b in FAILED for b in before)
-        ended = REPEAT_STOP if any(b not in (None, *FAILED) for b in before) or failed_repeats >= 2 else ""
+        repeats += sum(b is not None for b in before)
+        ended = REPEAT_STOP if repeats >= 2 else ""
         if any(b is not None for b in before):
-            outcomes, started = _with_repeats(chat, calls, before, cancelled)
+            outcomes, started = _with_repeats(chat, calls, before, cancelled, bool(ended))
         else:
             outcomes, started = _outcomes(chat, calls, cancelled)
         if _changed(chat, calls, outcomes):
@@ -139,13 +146,13 @@ def _key(call: ToolCall) -> str:
 
 
 def _with_repeats(chat: Steps, calls: list[ToolCall], before: list[str | None],
-                  cancelled: Callable[[], bool] | None) -> tuple[list[Outcome], float]:
+                  cancelled: Callable[[], bool] | None, last: bool) -> tuple[list[Outcome], float]:
     """The calls of a reply that repeats some (`before`: how each ended before, None for a new one): the new
     ones run (nothing is evaluated ahead), the repeats pointed to their result."""
     runner = chat.runner
     assert runner is not None
     stop = cancelled or (lambda: False)
-    outcomes: list[Outcome] = [Repeated(c.name, b in FAILED) if b is not None else Stopped() if stop() else
+    outcomes: list[Outcome] = [Repeated(c.name, b in FAILED, last) if b is not None else Stopped() if stop() else
                                runner.call(c, cancelled) for c, b in zip(calls, before)]
     return outcomes, time.perf_counter()
 

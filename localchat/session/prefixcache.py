@@ -78,7 +78,9 @@ class PrefixCache:
             atomic_write(path.with_suffix(META_SUFFIX), [json.dumps(meta).encode()])
             kv.prune(keep=path)
 
-        self.writer.submit(job, dropped=lambda: kv.engine.state_done(payload), key=f"prefix:{self.path(prefix)}")
+        # the job's key names the tokens alone (one model per store): a new model's hash is not waited for here
+        key = hashlib.sha256(json.dumps(prefix).encode()).hexdigest()[:32]
+        self.writer.submit(job, dropped=lambda: kv.engine.state_done(payload), key=f"prefix:{key}")
 
     # ------------------------------------------------------------ finding
     def load_longest(self, target: list[int], ends: list[int]) -> int:
