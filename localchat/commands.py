@@ -105,7 +105,7 @@ def _model_line(r: dict[str, Any]) -> list[str]:
 def plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat plan", description="memory plan for a profile and a model")
     profile_args(p)
-    p.add_argument("--json", action="store_true", help="machine-readable; keys documented in README.md")
+    p.add_argument("--json", action="store_true", help="machine-readable; keys documented in docs/profiles.md")
     return p
 
 
@@ -364,7 +364,7 @@ def profiles_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat profiles", description="shipped and user profiles")
     p.add_argument("--json", action="store_true")
     p.add_argument("--keys", action="store_true", help="every key a profile may set: type, default, values, option")
-    p.add_argument("--markdown", action="store_true", help="with --keys: as the Markdown table README.md holds")
+    p.add_argument("--markdown", action="store_true", help="with --keys: as the Markdown table docs/profiles.md holds")
     return p
 
 

@@ -49,3 +49,7 @@ class ChatEnded(LocalchatError):
 
 class ToolsUnsupported(LocalchatError):
     """Tools were asked for and the model's template takes none; the message names the model."""
+
+
+class RequestError(LocalchatError):
+    """A front end's request the chat cannot take as it is (a message list that is no delta of the chat)."""

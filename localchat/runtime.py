@@ -311,30 +311,32 @@ def with_projector(profile: Profile, info: ModelInfo) -> tuple[ModelInfo, str]:
     return replace(info, projector=path, projector_bytes=found.total_bytes, projector_kind=found.kind), ""
 
 
-def open_projector(profile: Profile, info: ModelInfo, left_out: str, chat: Chat, report: Report) -> None:
-    """The vision projector `with_projector` checked, bound to the model; its embeddings cached on disk. One
-    named by the profile must load; one found beside the model that does not fit leaves the chat without
-    images (a line now, and again at /attach)."""
+def open_projector(profile: Profile, info: ModelInfo, left_out: str, engine: Engine,
+                   report: Report) -> tuple[Projector | None, str]:
+    """The vision projector `with_projector` checked, bound to the model; its embeddings cached on disk; and
+    why one found beside the model was not loaded ("" where none was left out). One named by the profile must
+    load; one found beside the model that does not fit leaves the chat without images (a line now, and again
+    at /attach)."""
     try:
         if left_out:
             raise ModelError(left_out)
         if info.projector is None:
-            return
-        if chat.engine.mrope and info.projector_kind not in QWEN_VL:  # libmtmd would place its images by M-RoPE
+            return None, ""
+        if engine.mrope and info.projector_kind not in QWEN_VL:  # libmtmd would place its images by M-RoPE
             raise ModelError(f"{info.projector.name} ({info.projector_kind}) would place images by M-RoPE in a way "
                              "localchat is not tested with: Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's projectors are")
         try:
-            config = chat.engine.config
+            config = engine.config
             cap = image_token_cap(info.projector_kind, min(config.n_ubatch, config.n_batch), info.n_embd)
-            chat.vision = Projector(info.projector, chat.engine, info.name, cap)
+            return Projector(info.projector, engine, info.name, cap), ""
         except OSError as exc:  # unreadable while it is fingerprinted
             raise ModelError(f"{info.projector.name} cannot be read: {exc.strerror or exc}") from None
-        chat.engine.media.refill = functools.partial(attaching.refill, chat)
     except ModelError as exc:
         if profile.mmproj != "auto":
             raise
-        chat.vision_problem = f"the projector beside it is not loaded: {exc}"
-        report(f"localchat: {chat.vision_problem}")
+        problem = f"the projector beside it is not loaded: {exc}"
+        report(f"localchat: {problem}")
+        return None, problem
 
 
 def open_draft(profile: Profile, plan: MemoryPlan, engine: Engine, report: Report) -> DraftModel:
@@ -377,18 +379,18 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
         said = fmt.set_thinking(profile.think)
         if not said.startswith("thinking:"):
             report(f"localchat: think: {profile.think}: {said}")
-    chat = Chat(engine, fmt, chat_settings(profile))
     draft = None
     try:
         draft = open_draft(profile, plan, engine, report) if profile.draft_model else None
-        open_projector(profile, info, left_out, chat, report)
+        projector, problem = open_projector(profile, info, left_out, engine, report)
     except (ModelError, ProfileError):
         if draft is not None:
             draft.close()
         engine.close()
         raise
-    if draft is not None and chat.speculation is not None:
-        chat.speculation.model = draft
+    chat = Chat(engine, fmt, chat_settings(profile), vision=projector, vision_problem=problem, draft=draft)
+    if projector is not None:
+        engine.media.refill_with(functools.partial(attaching.refill, chat))
     rt = Runtime(profile, info, plan, engine, chat, warning, threads, draft=draft,
                  embedding=embedding_for(profile, report), requested=requested, projector=chat.vision)
     rt.refit_threads(min_window=0.25)

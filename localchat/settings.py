@@ -2,7 +2,7 @@
 its default, what a valid value is, its allowed values, its help text and the option that overrides it.
 
 Profile validation (`machine.profiles`), the argparse options (`options`), `localchat profiles --keys`,
-the engine's `SamplingConfig`/`EngineConfig` defaults and README's key table all derive from `Profile`.
+the engine's `SamplingConfig`/`EngineConfig` defaults and docs/profiles.md's key table all derive from `Profile`.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def yaml_text(value: Any) -> str:
 
 
 def settings_table() -> list[dict[str, str]]:
-    """A row per setting, for `localchat profiles --keys` and README's key table."""
+    """A row per setting, for `localchat profiles --keys` and docs/profiles.md's key table."""
     rows = []
     for f in settings():
         r: Rule = f.metadata["rule"]

@@ -36,6 +36,11 @@ class Trace:
         self._turn = 0
         self._lock = threading.Lock()
 
+    def trace_to(self, path: str | None, mode: str = "") -> None:
+        """Trace turns into `path` (None: where LOCALCHAT_TRACE says, if it does); `mode`: the front end."""
+        self.path = path or self.path
+        self.mode = mode or self.mode
+
     @property
     def on(self) -> bool:
         return self.path is not None

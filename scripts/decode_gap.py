@@ -87,7 +87,7 @@ def _round(e: Engine, rt: runtime.Runtime, prompt: list[int], n: int, turn: int,
             continue
         if way == "chat_turn":  # bench --decode's own measure: the steady rate after the first step
             _, st = decode._fresh_turn(rt, "off", decode.WORKLOADS["not repetitive"], n)
-            out[way] = float(st.extra["wall_decode_tps_after_first"])
+            out[way] = float(st.decode.wall_decode_tps_after_first)
             continue
         if way == "generate_chat_engine":
             rt.engine.clear()

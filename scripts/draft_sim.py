@@ -33,11 +33,11 @@ MORE = {
     "poem": "Write a poem about the sea at night.",
     "list": "List ten fruits, one per line, each with its colour.",
 }
-# per machine, in one-token steps (scripts/verify_cost.py: docs/bench-verify-cpu-reshape.json,
-# docs/gpu/verify-demo-h200-reshape.json, docs/gpu/verify-8b-reshape.json): a batch of n tokens after one
+# per machine, in one-token steps (scripts/verify_cost.py: docs/data/bench-verify-cpu-reshape.json,
+# docs/data/gpu/verify-demo-h200-reshape.json, docs/data/gpu/verify-8b-reshape.json): a batch of n tokens after one
 # of the same size; what a batch adds after a one-token step and after a batch of another size (llama.cpp
 # builds its graph again); what the two one-token steps after a batch add; whether a GPU. "in a reply":
-# the batches timed as a reply runs, handing out their tokens included (docs/bench-verify-cpu-inreply.json)
+# the batches timed as a reply runs, handing out their tokens included (docs/data/bench-verify-cpu-inreply.json)
 MACHINES = {
     "2-core VM, demo": ({1: 1, 2: 1.691, 3: 2.021, 4: 2.45, 5: 3.024, 6: 3.464, 7: 3.859, 8: 4.008, 9: 4.658},
                         0.03, 0.03, 0.0, False),

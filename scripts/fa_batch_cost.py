@@ -1,7 +1,7 @@
 """What a short prompt batch costs at depth on a CPU with flash attention, padded to llama.cpp's tile
 of 64 queries or not (Engine._padding): the best of `--repeat` prefills of n tokens after d.
 
-    python scripts/fa_batch_cost.py [--model PATH] [--repeat 3] > docs/fa-batch-cost-cpu.json
+    python scripts/fa_batch_cost.py [--model PATH] [--repeat 3] > docs/data/fa-batch-cost-cpu.json
 """
 
 from __future__ import annotations

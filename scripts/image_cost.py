@@ -53,7 +53,7 @@ def _round(rt: runtime.Runtime, photo: Path) -> dict:
     st = chat.turn("What is in this picture?")
     chat.new()
     return {"first_attach_s": first, "cached_attach_s": again, "image_encoded_first": encoded,
-            "image_encoded_cached": st.extra["image_encoded"] - encoded, "turn_ttft_s": st.ttft_s,
+            "image_encoded_cached": st.images.image_encoded - encoded, "turn_ttft_s": st.ttft_s,
             "turn_recomputed": st.recomputed_tokens}
 
 
@@ -73,7 +73,7 @@ def main() -> None:
                      "speculate": "off", **({"n_gpu_layers": a.gpu_layers} if a.gpu_layers is not None else {})}
         rounds = []
         with runtime.open_runtime(runtime.load_profile(a.profile, overrides), lambda t: None) as rt:
-            rt.engine.media.directory = folder / "images"  # where a chat with its prefix store keeps encodings
+            rt.engine.media.keep_on_disk(folder / "images")  # where a chat with its prefix store keeps encodings
             rt.engine.media.directory.mkdir()
             for i in range(a.repeat):
                 rounds.append(_round(rt, _photo(folder / f"photo{i}.jpg", i)))

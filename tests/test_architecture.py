@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"chat"},
     {"runtime"},
     {"session"},
+    {"host"},
     {"ui"},
     {"app", "options", "doctor", "completion"},
     {"bench"},
@@ -28,6 +29,10 @@ LAYERS: list[set[str]] = [
     {"cli"},
     {"__main__", ""},
 ]
+COMMAND_LINE = {"localchat.app", "localchat.cli", "localchat.commands", "localchat.options", "localchat.doctor",
+                "localchat.completion", "localchat.bench.command"}  # the modules that read a command line
+# records that whoever does the work fills: a turn's (every layer that works for the turn), a reply's stream
+RECORDS = {"localchat.chat.stats", "localchat.engine.types.Generation"}
 MAX_FUNCTION_LINES = 60  # the aim is under ~50 (docs/ARCHITECTURE.md); past this a function is split
 
 
@@ -147,3 +152,52 @@ def test_after_planning_the_engine_owns_n_ctx():
     readers = {m for m, p in _modules().items() if pattern.search(p.read_text())}
     allowed = {"localchat.runtime", "localchat.engine.backend"}
     assert {m for m in readers if _unit(m) != "machine"} <= allowed
+
+
+def test_nothing_below_the_host_imports_the_ui():
+    for m, deps in _graph().items():
+        if _row(_unit(m)) < _row("host"):
+            assert not any(_unit(d) == "ui" for d in deps), m
+
+
+def test_only_the_command_line_imports_argparse():
+    assert {m for m, p in _modules().items() if "argparse" in _imports(p)} <= COMMAND_LINE
+
+
+def _targets(node: ast.AST) -> list[ast.Attribute]:
+    """The attributes an assignment writes."""
+    found = node.targets if isinstance(node, ast.Assign) else \
+        [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+    flat = [e for t in found for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+    return [t for t in flat if isinstance(t, ast.Attribute)]
+
+
+def _owners() -> dict[str, set[str]]:
+    """Each attribute name a class of localchat sets on itself (or declares), and the units of those classes;
+    a record's fields (RECORDS) are nobody's to guard."""
+    owners: dict[str, set[str]] = {}
+    for m, p in _modules().items():
+        for cls in (n for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ClassDef)):
+            record = m in RECORDS or f"{m}.{cls.name}" in RECORDS
+            for node in ast.walk(cls):
+                names = [node.target.id] if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                    else [t.attr for t in _targets(node) if isinstance(t.value, ast.Name) and t.value.id == "self"]
+                for name in names:
+                    owners.setdefault(name, set()).add("" if record else _unit(m))
+    return owners
+
+
+def test_no_module_assigns_attributes_onto_another_layers_objects():
+    """An object is finished by its own layer (given what it needs at construction, or told through a method):
+    `chat.vision = ...` from the runtime, `rt.engine.media.directory = ...` from the session are not allowed.
+    The owner of an attribute is the unit whose classes set it on themselves."""
+    owners, wrong = _owners(), []
+    for m, p in _modules().items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            for t in _targets(node):
+                if isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"):
+                    continue
+                mine = owners.get(t.attr, set())
+                if mine and "" not in mine and all(_row(u) != _row(_unit(m)) for u in mine):
+                    wrong.append(f"{m}:{node.lineno} {ast.unparse(t)}")
+    assert wrong == []

@@ -59,7 +59,7 @@ def test_decode_bench_measures_drafts_and_load_bench_reads_the_load(tmp_path):
         assert lb["tg1_ms"] == 4.0 and f"-d {lb['depth']} " in calls.read_text() and lb["depth"] > 0
     assert repetitive["acceptance"]["on"] > 0.5  # the reply quotes the pasted notice: most drafts hold
     assert novel["reply_tokens"] == 256 and set(novel["decode_tps"]) == {"off", "auto", "on"}
-    for part in (repetitive, novel):  # where greedy replies part, it is said (README: Speed)
+    for part in (repetitive, novel):  # where greedy replies part, it is said (docs/profiles.md: Speed)
         assert all(part["first_difference"][m] is None for m in part["first_difference"]) == part["identical_replies"]
     assert repetitive["acceptance"]["off"] is None
     load = result["load"]

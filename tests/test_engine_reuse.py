@@ -91,13 +91,13 @@ def test_next_turn_head_is_evaluated_after_the_reply_and_changes_no_output(demo_
         replies_warm.append(warm.conv.messages[-1].tokens)
         if st.turn > 1:
             # the end-of-turn token and the user header were evaluated before this turn began
-            assert st.extra["idle_tokens"] == idle > 1
+            assert st.ahead.idle_tokens == idle > 1
             assert st.recomputed_tokens == st.new_tokens + 1
             assert st.llama_prompt_eval == st.recomputed_tokens - idle  # llama.cpp's count for the turn itself
-        idle = warm.warm_next_head()
+        idle = warm.ahead.warm_next_head()
         window = warm.conv.window_tokens()
         assert demo_engine.n_kv == len(window) + idle - 1 and demo_engine.tokens[:len(window)] == window
-    assert warm.drop_warm()  # as a save does: the KV holds the transcript's tokens, nothing pending
+    assert warm.ahead.drop_warm()  # as a save does: the KV holds the transcript's tokens, nothing pending
     assert demo_engine.tokens == warm.conv.window_tokens() and demo_engine.n_kv == len(demo_engine.tokens)
     plain = greedy_chat(demo_engine, system="You are brief.")
     replies_plain = [plain.conv.messages[-1].tokens for q in QUESTIONS[:4] if plain.turn(q)]
@@ -111,10 +111,10 @@ def test_sliding_window_model_warms_a_head_that_a_save_can_take_back_out(gemma_e
         st = warm.turn(q)
         replies.append(warm.conv.messages[-1].tokens)
         if st.turn > 1:
-            assert st.extra["idle_tokens"] > 1 and st.recomputed_tokens <= st.new_tokens + 1
-        assert warm.warm_next_head() > 1
+            assert st.ahead.idle_tokens > 1 and st.recomputed_tokens <= st.new_tokens + 1
+        assert warm.ahead.warm_next_head() > 1
     window = warm.conv.window_tokens()
-    assert warm.drop_warm() and gemma_engine.tokens == window  # as a save of a sliding-window cache does
+    assert warm.ahead.drop_warm() and gemma_engine.tokens == window  # as a save of a sliding-window cache does
     plain = greedy_chat(gemma_engine, system="A conversation with a helpful assistant.")
     assert [plain.conv.messages[-1].tokens for q in QUESTIONS[:3] if plain.turn(q)] == replies
 

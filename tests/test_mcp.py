@@ -91,9 +91,9 @@ def test_a_chat_calls_a_servers_tool_shown_whole_and_reads_its_result(demo_engin
         assert [s["function"]["name"] for s in tools.schemas()] == [
             "notes_lookup", "notes_wait", "notes_flood", "notes_boom", "notes_helper"]
         chat = chat_with(demo_engine, (official_dir / QWEN).read_text(), None)
-        chat.enable_tools(tools, 10, "the demo model")
+        chat.tooling.enable(tools, 10, "the demo model")
         call = ToolCall("notes_lookup", {"topic": "bread"}, "a1b2c3d4e")
-        with forced_reply(demo_engine, chat.tool_format.call_text([call]), "Flour, water and salt."):
+        with forced_reply(demo_engine, chat.tooling.format.call_text([call]), "Flour, water and salt."):
             st = chat.turn("What is bread made of? Look it up in my notes.")
         result = [m for m in chat.conv.messages if m.role == "tool"][0]
         assert result.content == FACTS["bread"] and result.call["status"] == "ok"
@@ -173,7 +173,7 @@ def test_a_tool_list_is_offered_at_once_from_the_last_run_and_renewed_when_the_s
         assert time.perf_counter() - started < 0.5 and again.hub.servers["notes"].state == "starting"
         assert [s["function"]["name"] for s in again.schemas()] == ["notes_lookup"]  # before the server answers
         chat = chat_with(demo_engine, (official_dir / QWEN).read_text(), None)
-        chat.enable_tools(again, 10, "the demo model")
+        chat.tooling.enable(again, 10, "the demo model")
         again.hub.wait()
         chat.prepare()  # the next turn offers what the server lists now
         assert len(chat.fmt.tools) == 5 and "notes_helper" in chat.fmt.render([{"role": "user", "content": "x"}], True)
@@ -294,14 +294,14 @@ def test_a_servers_resource_attaches_as_a_document_and_mcp_shows_and_restarts_th
     tools = _toolset(tmp_path, STDIO)
     try:
         chat = chat_with(demo_engine, (official_dir / QWEN).read_text(), None)
-        chat.enable_tools(tools, 10, "the demo model")
+        chat.tooling.enable(tools, 10, "the demo model")
         lines = attaching.add(chat, ["mcp:notes/notes://today"])
         assert lines[0].startswith("attached mcp:notes/notes://today: ") and lines[0].endswith(" tokens")
         assert "Buy milk." in chat.docs.pending[0].block
         for bad, said in (("mcp:calendar/x://y", "no MCP server 'calendar'"), ("mcp:notes/notes://nope", "nope")):
             with pytest.raises(DocumentError, match=said):
                 attaching.add(chat, [bad])
-        ctx = SimpleNamespace(ctl=SimpleNamespace(chat=chat))
+        ctx = SimpleNamespace(host=SimpleNamespace(session=SimpleNamespace(chat=chat)))
         shown = slash.dispatch(ctx, "/mcp")
         assert shown.startswith("notes") and "ready: 5 tools, 1 resources" in shown
         old = set(tools.hub.servers["notes"].pids)
@@ -314,20 +314,20 @@ def test_a_servers_resource_attaches_as_a_document_and_mcp_shows_and_restarts_th
 
 def test_a_tool_list_that_leaves_no_room_for_the_conversation_is_refused_with_the_arithmetic(demo_engine,
                                                                                              official_dir, tmp_path):
-    from localchat.app import tool_cost_line
     from localchat.errors import ProfileError
+    from localchat.host.opening import tool_cost_line
     box = Toolbox(Root(tmp_path), approve=lambda r: Decision("once"))  # the built-in tools as well
     tools = ToolSet(box, Hub([STDIO], tmp_path / "logs"), 10.0, None)
     try:
         chat = chat_with(demo_engine, (official_dir / QWEN).read_text(), None)
-        chat.enable_tools(tools, 10, "the demo model")
-        assert chat.tool_list_tokens()[1] > demo_engine.n_ctx // 2
+        chat.tooling.enable(tools, 10, "the demo model")
+        assert chat.tooling.list_tokens()[1] > demo_engine.n_ctx // 2
         with pytest.raises(ProfileError, match=r"the tool list takes [\d,]+ tokens: with the system prompt the "
                                                r"prefix is [\d,]+ of the 2,048-token context, more than half"):
             tool_cost_line(chat, tools)
         tools.box.offered = ()
         tools.refreshed()
-        chat.enable_tools(tools, 10, "the demo model")
+        chat.tooling.enable(tools, 10, "the demo model")
         assert "6 offered" not in tool_cost_line(chat, tools) and "(notes ~" in tool_cost_line(chat, tools)
     finally:
         tools.hub.close()

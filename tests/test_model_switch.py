@@ -5,15 +5,13 @@ resumed with another model than the one its tokens were made with is carried ove
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from localchat import runtime
 from localchat.chat import attaching, official
 from localchat.errors import LocalchatError
 from localchat.session import modelswitch
-from localchat.session.lifecycle import Session
+from localchat.session.lifecycle import Session, SessionChoice
 from tests.conftest import run_cli
 from tests.ggufedit import edit_gguf
 from tests.test_official import kv_text
@@ -24,8 +22,7 @@ SETTINGS = {"max_tokens": 8, "temperature": 0.0, "n_ctx": 2048}
 def _open(model, name: str = "switch") -> Session:
     profile = runtime.load_profile("cpu", {**SETTINGS, "model": str(model)})
     rt = runtime.open_runtime(profile, lambda text: None)
-    args = argparse.Namespace(session=name, no_session=False, resume_last=False)
-    return Session.open(rt, args, lambda text: None)
+    return Session.open(rt, SessionChoice(name), lambda text: None)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +131,7 @@ ESCAPING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 def test_a_history_the_next_template_cannot_take_leaves_the_conversation_as_it_was(home, demo_path, tmp_path):
     escaping = edit_gguf(demo_path, tmp_path / "escaping.gguf", {"tokenizer.chat_template": ESCAPING})
     profile = runtime.load_profile("cpu", {**SETTINGS, "model": str(demo_path)})
-    ctl = Session.open(runtime.open_runtime(profile, lambda text: None), argparse.Namespace(no_session=True),
+    ctl = Session.open(runtime.open_runtime(profile, lambda text: None), SessionChoice(keep=False),
                        lambda text: None)  # no session: what is in memory is all there is
     try:
         ctl.turn("Invite ana & <b>bob</b>.")

@@ -75,10 +75,10 @@ def test_every_prompt_is_the_official_rendering(demo_engine, official_dir, name)
             assert kv_text(demo_engine, prompt) == official_prompt(chat, question), (name, system, st.turn)
             if st.turn > 1:  # reuse stays exact inside the turn; the official form's work is counted apart
                 assert st.recomputed_tokens <= st.new_tokens + 1, (name, system, st)
-            chat.warm_next_head()
+            chat.ahead.warm_next_head()
         if style and "A short answer will do" not in official_prompt(chat, question):
             # the template drops earlier thoughts: they left the KV between turns, and that work was counted
-            assert sum(h.extra["canonicalized_tokens"] for h in chat.turn_stats) > 0
+            assert sum(h.ahead.canonicalized_tokens for h in chat.turn_stats) > 0
 
 
 def test_as_sampled_history_keeps_the_thoughts_the_template_drops(demo_engine, official_dir):
@@ -89,7 +89,7 @@ def test_as_sampled_history_keeps_the_thoughts_the_template_drops(demo_engine, o
         for i, question in enumerate(QUESTIONS[:2]):
             with forced_reply(demo_engine, SCRIPTS["think"].format(i=i)):
                 st = chat.turn(question)
-            chat.warm_next_head()
+            chat.ahead.warm_next_head()
         prompts[mode] = kv_text(demo_engine, chat.conv.window_tokens()[:st.prompt_tokens])
         reference = official_prompt(chat, QUESTIONS[1])
     assert prompts["official"] == reference and "The user asks question 0" not in reference
@@ -101,8 +101,8 @@ def test_the_system_prompt_moves_to_the_last_message_and_is_never_repeated(demo_
     for question in QUESTIONS:
         chat.turn(question)
         assert kv_text(demo_engine, chat.conv.window_tokens()).count(SYSTEM) == 1
-        chat.warm_next_head()
-    assert all(h.extra["canonicalized_tokens"] > 0 for h in chat.turn_stats[1:])
+        chat.ahead.warm_next_head()
+    assert all(h.ahead.canonicalized_tokens > 0 for h in chat.turn_stats[1:])
 
 
 def test_a_template_without_a_system_role_gets_it_in_the_first_message(demo_engine, official_dir):

@@ -82,7 +82,7 @@ def test_reply_reaching_the_end_of_the_context_is_kept_then_undo_and_retry_after
     lines = ["Write a very long story about bread.", "Tell me a fact about ovens.", "And another?",
              "/undo", "/retry", "Last question?"]
     # no drafts: whether `auto` drafts follows timings, and past 256 tokens a verified batch and a single
-    # step part in their last bits (README: Speed), which can end this greedy story before the context does
+    # step part in their last bits (docs/profiles.md: Speed), which can end this greedy story before the context does
     r = run_cli(["--model", "demo", "--temperature", "0", "--max-tokens", "490", "--ctx", "512", "--no-session",
                  "--speculate", "off", "--stats-json", str(stats)], stdin="".join(x + "\n" for x in lines),
                 env={"LOCALCHAT_HOME": str(home)})

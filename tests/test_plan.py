@@ -175,10 +175,10 @@ def _h200_shape(name: str) -> ModelInfo:
 
 
 def test_cuda_compute_buffer_matches_what_llama_cpp_reserved_on_an_h200():
-    """Against llama.cpp's own reports in recorded H200 runs (docs/gpu/memory-calibration.jsonl, memory-sweep.jsonl):
+    """Against llama.cpp's own reports in recorded H200 runs (docs/data/gpu/memory-calibration.jsonl, memory-sweep.jsonl):
     within 1% where the graph allocator packs tightly, never above the plan's compute plus its slack."""
     rows = [json.loads(x) for name in ("memory-calibration.jsonl", "memory-sweep.jsonl")
-            for x in (ROOT / "docs" / "gpu" / name).read_text().splitlines()]
+            for x in (ROOT / "docs" / "data" / "gpu" / name).read_text().splitlines()]
     tight = 0
     for r in rows:
         m = _h200_shape(r["model"])

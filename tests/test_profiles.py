@@ -135,7 +135,7 @@ def test_a_profile_context_above_the_trained_one_is_capped_and_a_command_line_on
 
 
 def test_readme_lists_exactly_the_settings_table_and_the_options_come_from_it():
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "profiles.md").read_text()
     block = readme.split("<!-- keys: localchat profiles --keys --markdown -->\n")[1].split("<!-- /keys -->")[0]
     assert block == run_cli(["profiles", "--keys", "--markdown"]).stdout
     assert re.findall(r"^\| `(\w+)` \|", block, re.M) == list(SETTING_KEYS)

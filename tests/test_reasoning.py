@@ -12,6 +12,7 @@ import re
 import pytest
 
 from localchat.chat import transcript
+from localchat.chat.request import TurnSink
 from localchat.chatformat import thinking
 from tests.conftest import run_cli
 from tests.ggufedit import edit_gguf
@@ -39,7 +40,7 @@ def test_thoughts_stream_apart_from_the_answer_and_are_kept_marked(demo_engine, 
     chat = chat_with(demo_engine, (official_dir / name).read_text(), None)
     shown, thoughts = [], []
     with forced_reply(demo_engine, CASES[name]):
-        st = chat.turn("What is 2 + 2?", on_text=shown.append, on_thought=thoughts.append)
+        st = chat.turn("What is 2 + 2?", TurnSink(text=shown.append, thought=thoughts.append))
     assert "".join(shown).strip() == "Four." and "".join(thoughts).strip() == "Plan the answer first."
     reply = chat.conv.messages[-1]
     assert reply.content == "Four." and reply.reasoning == "Plan the answer first."
@@ -47,22 +48,22 @@ def test_thoughts_stream_apart_from_the_answer_and_are_kept_marked(demo_engine, 
     # the thoughts' tokens, some of their markers (text here, one token each in the real vocabularies) at most
     at_least = len(demo_engine.tokenize("Plan the answer first.", special=False))
     at_most = len(demo_engine.tokenize(CASES[name].split("Four.")[0], special=True))
-    assert at_least <= st.extra["reasoning_tokens"] <= at_most
+    assert at_least <= st.decode.reasoning_tokens <= at_most
 
 
 def test_a_budget_ends_the_thoughts_and_the_model_answers(demo_engine, official_dir):
     source = (official_dir / R1).read_text()
     free = chat_with(demo_engine, source, None)  # the prompt opens the thoughts; the demo model never closes them
     st = free.turn("What is 2 + 2?")
-    assert st.extra["reasoning_tokens"] == st.reply_tokens and not free.conv.messages[-1].content
+    assert st.decode.reasoning_tokens == st.reply_tokens and not free.conv.messages[-1].content
     budgeted = chat_with(demo_engine, source, None)
     budgeted.settings = dataclasses.replace(budgeted.settings, reasoning_budget=4, max_tokens=16)
     st = budgeted.turn("What is 2 + 2?")
     reply = budgeted.conv.messages[-1]
     forced = len(demo_engine.tokenize(thinking.END_OF_THOUGHT["think"], special=True))
-    assert st.extra["reasoning_tokens"] == 4 + forced  # the budget, then the end of thought the model was made to write
+    assert st.decode.reasoning_tokens == 4 + forced  # the budget, then the end of thought the model was made to write
     assert "</think>" in kv_text(demo_engine, reply.tokens)
-    assert reply.reasoning and reply.content and st.reply_tokens > st.extra["reasoning_tokens"]
+    assert reply.reasoning and reply.content and st.reply_tokens > st.decode.reasoning_tokens
 
 
 def test_thinking_switches_off_where_the_template_can(demo_engine, official_dir):

@@ -13,6 +13,7 @@ from prompt_toolkit.output import DummyOutput
 
 from localchat import runtime
 from localchat.bench.idle import forced_reply
+from localchat.host.host import Host
 from localchat.session.lifecycle import Session
 from localchat.session.sessiondir import SessionDir
 from localchat.ui import status
@@ -38,7 +39,7 @@ class Harness:
             self.ctl.after_turn(st)
             self.stats.append(st.to_json())
 
-        self.repl = Repl(self.ctl, after_turn, input=self.inp, output=DummyOutput(), asking=asking)
+        self.repl = Repl(Host(self.ctl, after_turn), input=self.inp, output=DummyOutput(), asking=asking)
         self.repl.print = lambda text, style="": self.printed.append(text)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.repl.run_async()), daemon=True)
         self.thread.start()

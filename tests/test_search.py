@@ -116,28 +116,28 @@ def test_a_session_a_running_chat_holds_is_searchable(home, demo_path):
 
 def test_the_assistant_calls_search_conversations_and_reads_the_session_and_date(home, demo_engine, official_dir,
                                                                                tmp_path):
-    from localchat.app import past_conversations
     from localchat.chatformat.toolcalls import ToolCall
+    from localchat.host.opening import past_conversations
     from localchat.tools.builtin import Decision, Toolbox
     from localchat.tools.rooted import Root
     from tests.test_official import chat_with, forced_reply
     write_history(home / "sessions", 30, 10, seed=3)
     box = Toolbox(Root(tmp_path), approve=lambda r: Decision("once"), offered=("search_conversations",),
-                  search=past_conversations)
+                  provided={"search_conversations": past_conversations})
     chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
     chat.settings = chat.settings.__class__(**{**chat.settings.__dict__, "max_tokens": 40})
-    chat.enable_tools(box, 4, "the demo model")
+    chat.tooling.enable(box, 4, "the demo model")
     call = ToolCall("search_conversations", {"query": "wifi password cabin"}, "s1e2a3r4c")
     found = past_conversations("wifi password cabin", 5).splitlines()[0]  # what the tool will give the model
     session, date = found[len("[session "):].split(",")[0], found.split(", ")[2][:10]
     # the demo model cannot read: its answer is forced, from the session and date the tool gave it
-    with forced_reply(demo_engine, chat.tool_format.call_text([call]), f"In session {session}, on {date}."):
+    with forced_reply(demo_engine, chat.tooling.format.call_text([call]), f"In session {session}, on {date}."):
         st = chat.turn("What was the wifi password at the cabin? Search our past chats.")
     result = next(m for m in chat.conv.messages if m.role == "tool")
     assert result.content.splitlines()[0] == found and found.startswith("[session chat-00") and ", 2026-" in found
     fact = next(block for block in result.content.split("\n\n") if "wifi password at the cabin" in block)
     assert fact.startswith(f"[session {session}, ") and date in fact.splitlines()[0]  # the fact's own turn
-    assert st.recomputed_tokens <= st.new_tokens + 1 and st.extra["tool_calls"] == 1
+    assert st.recomputed_tokens <= st.new_tokens + 1 and st.tools.tool_calls == 1
     assert chat.conv.messages[-1].content == f"In session {session}, on {date}."
 
 

@@ -10,6 +10,7 @@ from collections import Counter
 import llama_cpp as lc
 import pytest
 
+from localchat.chat.request import TurnSink
 from localchat.chat.turns import Chat, ChatSettings
 from localchat.engine import Generation, SamplingConfig
 from localchat.engine.backend import SEQ
@@ -44,7 +45,7 @@ def test_greedy_replies_are_token_identical_with_drafts_and_take_fewer_steps(dem
     _kv_consistent(demo_engine)
     assert drafted.speculation.cost is demo_engine.step_cost  # what the steps cost is the engine's, for every chat
     assert [m.tokens for m in drafted.conv.messages] == [m.tokens for m in plain.conv.messages]
-    assert sum(st.extra["accepted_tokens"] for st in stats) > 40  # the reply quotes the note: drafts hold
+    assert sum(st.drafts.accepted_tokens for st in stats) > 40  # the reply quotes the note: drafts hold
     # each kept draft token is one single-token step fewer (llama.cpp's own decode counter)
     assert sum(st.llama_eval for st in stats) < sum(st.llama_eval for st in plain_stats) - 40
     assert [st.llama_prompt_eval for st in stats] == [st.llama_prompt_eval for st in plain_stats]
@@ -110,8 +111,8 @@ def test_undo_resume_and_a_stop_mid_draft_keep_the_kv_exact(demo_engine):
         count[0] += 1
         return count[0] > 5
 
-    st = stopped.turn(QUESTIONS[1], cancelled=cancel_soon)
-    assert st.cut and st.extra["draft_tokens"] > 0
+    st = stopped.turn(QUESTIONS[1], TurnSink(cancelled=cancel_soon))
+    assert st.cut and st.drafts.draft_tokens > 0
     _kv_consistent(e)
     assert e.tokens == stopped.conv.window_tokens()
 
@@ -132,8 +133,8 @@ def test_a_reply_cut_while_its_next_token_is_evaluated_keeps_the_kv_exact(demo_e
 
     e.overlaps = overlaps  # the GPU's order on this CPU: the same tokens, only the text comes later
     try:
-        # a short chat: llama.cpp's arithmetic is then the same for a batch as for single tokens (README: Speed)
-        assert chat.turn("Say hello to my friend Tom.", cancelled=cancel_soon).cut
+        # a short chat: llama.cpp's arithmetic is then the same for a batch as for single tokens (docs/profiles.md: Speed)
+        assert chat.turn("Say hello to my friend Tom.", TurnSink(cancelled=cancel_soon)).cut
         _kv_consistent(e)
         held = len(chat.conv.window_tokens()) - (not overlaps)
         assert e.n_kv == held and len(e.tokens) == len(chat.conv.window_tokens())  # shown, kept; evaluated
@@ -288,7 +289,7 @@ def test_sliding_window_models_draft_only_with_the_full_cache(gemma_engine, gemm
 def test_stats_json_counts_drafts_and_the_flag_turns_them_off(home, tmp_path, demo_path):
     stats_on, stats_off = tmp_path / "on.jsonl", tmp_path / "off.jsonl"
     lines = QUESTIONS[0] + "\n" + QUESTIONS[1] + "\n"
-    # fixed threads: past 256 tokens llama.cpp's arithmetic follows their number (README: Profiles)
+    # fixed threads: past 256 tokens llama.cpp's arithmetic follows their number (docs/profiles.md: Profiles)
     common = ["--model", str(demo_path), "--no-session", "--temperature", "0", "--max-tokens", "48", "--threads", "2"]
     on = run_cli([*common, "--speculate", "on", "--stats-json", str(stats_on)], lines, {"LOCALCHAT_HOME": str(home)})
     off = run_cli([*common, "--speculate", "off", "--stats-json", str(stats_off)], lines,
@@ -307,7 +308,7 @@ def test_a_draft_model_keeps_greedy_replies_identical_across_turns_undo_and_resu
     rejected): the replies are those without drafts, token for token."""
     draft = first_layers(demo_path, tmp_path / "draft.gguf", 15)
     lines = "\n".join([QUESTIONS[0], QUESTIONS[1], "/undo", "Name three rivers."]) + "\n"
-    # under 256 tokens of context: past that llama.cpp's CPU kernels for a batch and for one token part (README)
+    # under 256 tokens of context: past that llama.cpp's CPU kernels for a batch and for one token part (docs/profiles.md: Speed)
     common = ["--model", str(demo_path), "--temperature", "0", "--max-tokens", "24", "--threads", "2"]
     out = {}
     for name, extra in (("plain", ["--speculate", "off"]), ("draft", ["--speculate", "on", "--draft-model", str(draft)])):

@@ -114,9 +114,9 @@ def _h200_8b() -> ModelInfo:
 
 
 def test_each_devices_kv_and_compute_match_what_llama_cpp_allocated_on_two_h200s():
-    """Recorded runs of scripts/split_check.py on two H200s (docs/gpu/split-8b-*.jsonl): the plan of today's
+    """Recorded runs of scripts/split_check.py on two H200s (docs/data/gpu/split-8b-*.jsonl): the plan of today's
     code at each recorded n_ctx and KV type against llama.cpp's buffers per device, pipeline copies included."""
-    rows = [json.loads(line) for f in sorted((ROOT / "docs" / "gpu").glob("split-8b-*.jsonl"))
+    rows = [json.loads(line) for f in sorted((ROOT / "docs" / "data" / "gpu").glob("split-8b-*.jsonl"))
             for line in f.read_text().splitlines() if line.startswith('{"profile": "h200x2"')]
     assert len(rows) >= 4
     for r in rows:

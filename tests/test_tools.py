@@ -10,6 +10,7 @@ import time
 import pytest
 
 from localchat.chat.official import template_messages
+from localchat.chat.request import TurnSink
 from localchat.chat.turns import Chat
 from localchat.chatformat import reasoning
 from localchat.chatformat.toolcalls import ToolCall
@@ -65,9 +66,9 @@ def test_every_step_of_a_tool_loop_is_the_official_rendering(demo_engine, offici
     style = reasoning.detect(source)
     for system in (None, SYSTEM):
         chat = chat_with(demo_engine, source, system)
-        chat.enable_tools(toolbox(tmp_path), 10, "the demo model")
+        chat.tooling.enable(toolbox(tmp_path), 10, "the demo model")
         call = ToolCall("read_file", {"path": "notes.txt"}, "a1b2c3d4e")
-        with forced_reply(demo_engine, chat.tool_format.call_text([call]), _answer(style, 1)):
+        with forced_reply(demo_engine, chat.tooling.format.call_text([call]), _answer(style, 1)):
             st = chat.turn(QUESTION)
         first, = st.steps
         window = [m for m in chat.conv.messages if m.in_window]
@@ -79,13 +80,13 @@ def test_every_step_of_a_tool_loop_is_the_official_rendering(demo_engine, offici
         assert prompt == official_prompt(chat, 1), (name, system)
         step, official = kv_text(demo_engine, chat.conv.window_tokens()[:st.prompt_tokens]), official_prompt(chat, 3)
         if name in REWRITES and step != official:  # from the call on, the same; before it, the template's rewrite
-            call_at = official.find(chat.tool_format.opening or "{", official.find(QUESTION))
+            call_at = official.find(chat.tooling.format.opening or "{", official.find(QUESTION))
             assert step.endswith(official[call_at:]), (name, system)
         else:
             assert step == official, (name, system)  # the call, its result, the next prompt
         assert st.recomputed_tokens <= st.new_tokens + 1, (name, system, st)
-        assert st.extra["tool_calls"] == 1 and st.extra["tool_result_tokens"] > 0
-        chat.warm_next_head()  # after the loop, the official form; then the next turn costs its own words
+        assert st.tools.tool_calls == 1 and st.tools.tool_result_tokens > 0
+        chat.ahead.warm_next_head()  # after the loop, the official form; then the next turn costs its own words
         with forced_reply(demo_engine, _answer(style, 2)):
             nxt = chat.turn("Thanks. And salt?")
         prompt = kv_text(demo_engine, chat.conv.window_tokens()[:nxt.prompt_tokens])
@@ -97,8 +98,8 @@ def test_every_step_of_a_tool_loop_is_the_official_rendering(demo_engine, offici
 def test_a_template_without_tools_is_refused_with_the_model_named(demo_engine, official_dir, name):
     chat = chat_with(demo_engine, (official_dir / name).read_text(), None)
     with pytest.raises(ToolsUnsupported, match=f"the demo model cannot call tools: .*{NOT_TAKING_TOOLS[name]}"):
-        chat.enable_tools(toolbox(official_dir), 10, "the demo model")
-    assert chat.runner is None and not chat.fmt.tools
+        chat.tooling.enable(toolbox(official_dir), 10, "the demo model")
+    assert chat.tooling.runner is None and not chat.fmt.tools
 
 
 # ---------------------------------------------------------------- the built-in tools, on real files
@@ -148,9 +149,9 @@ def test_a_denied_call_is_told_to_the_model_and_the_loop_survives_a_resume(demo_
     (tmp_path / "notes.txt").write_text(NOTES)
     chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
     box = Toolbox(Root(tmp_path), approve=lambda r: Decision("deny"), offered=("read_file", "write_file"))
-    chat.enable_tools(box, 10, "the demo model")
+    chat.tooling.enable(box, 10, "the demo model")
     call = ToolCall("write_file", {"path": "x.txt", "content": "hi"})
-    with forced_reply(demo_engine, chat.tool_format.call_text([call]), "I could not write it."):
+    with forced_reply(demo_engine, chat.tooling.format.call_text([call]), "I could not write it."):
         st = chat.turn("Write x.txt")
     result = chat.conv.messages[2]
     assert result.role == "tool" and result.content == "denied by the user" and result.call["status"] == "denied"
@@ -165,8 +166,8 @@ def test_a_denied_call_is_told_to_the_model_and_the_loop_survives_a_resume(demo_
 def test_undo_and_retry_take_a_whole_tool_exchange(demo_engine, official_dir, tmp_path):
     (tmp_path / "notes.txt").write_text(NOTES)
     chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
-    chat.enable_tools(toolbox(tmp_path), 10, "the demo model")
-    call = chat.tool_format.call_text([ToolCall("read_file", {"path": "notes.txt"}, "c1")])
+    chat.tooling.enable(toolbox(tmp_path), 10, "the demo model")
+    call = chat.tooling.format.call_text([ToolCall("read_file", {"path": "notes.txt"}, "c1")])
     with forced_reply(demo_engine, "Hello.", call, "Flour, water and salt."):
         chat.turn("Hi")
         chat.turn(QUESTION)
@@ -179,7 +180,7 @@ def test_undo_and_retry_take_a_whole_tool_exchange(demo_engine, official_dir, tm
         chat.turn(QUESTION)
         st = chat.retry()  # the exchange again: the call runs again, its result replaces the first
     assert [m.role for m in chat.conv.messages] == ["user", "assistant", "user", "assistant", "tool", "assistant"]
-    assert chat.conv.messages[4].content == NOTES.rstrip("\n") and st.extra["tool_calls"] == 1
+    assert chat.conv.messages[4].content == NOTES.rstrip("\n") and st.tools.tool_calls == 1
     assert kv_text(demo_engine, chat.conv.window_tokens()[:st.prompt_tokens]) == official_prompt(chat, 5)
     assert st.recomputed_tokens <= st.new_tokens + 1
 
@@ -196,15 +197,15 @@ def test_three_calls_in_one_reply_each_get_their_result(demo_engine, official_di
     for i in range(3):
         (tmp_path / f"n{i}.txt").write_text(f"note {i}\n")
     chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
-    chat.enable_tools(toolbox(tmp_path), 10, "the demo model")
+    chat.tooling.enable(toolbox(tmp_path), 10, "the demo model")
     calls = [ToolCall("read_file", {"path": f"n{i}.txt"}, f"c{i}") for i in range(3)]
     shown: list[str] = []
-    with forced_reply(demo_engine, "Let me look.\n" + chat.tool_format.call_text(calls), "Three notes."):
-        st = chat.turn("Read the three notes.", on_text=shown.append)
+    with forced_reply(demo_engine, "Let me look.\n" + chat.tooling.format.call_text(calls), "Three notes."):
+        st = chat.turn("Read the three notes.", TurnSink(text=shown.append))
     assert "".join(shown).split() == ["Let", "me", "look.", "Three", "notes."]  # the calls are not shown as text
     assert chat.conv.messages[1].content == "Let me look."
     results = [m for m in chat.conv.messages if m.role == "tool"]
-    assert [m.content for m in results] == ["note 0", "note 1", "note 2"] and st.extra["tool_calls"] == 3
+    assert [m.content for m in results] == ["note 0", "note 1", "note 2"] and st.tools.tool_calls == 3
     assert kv_text(demo_engine, chat.conv.window_tokens()[:st.prompt_tokens]) == official_prompt(chat, 5)
     assert st.recomputed_tokens <= st.new_tokens + 1
 
@@ -229,14 +230,14 @@ def _asked_ahead(demo_engine, official_dir, tmp_path, verdict: str) -> tuple[Cha
     at_answer = []
 
     def approve(request):
-        assert chat.prefetch_done.wait(120)  # the user reads while the result goes into the KV
+        assert chat.tooling.prefetch_done.wait(120)  # the user reads while the result goes into the KV
         at_answer.append(demo_engine.n_kv)
         return Decision(verdict)
 
     box = Toolbox(Root(tmp_path), approve, offered=("read_file", "write_file"), ahead=True)
-    chat.enable_tools(box, 10, "the demo model")
+    chat.tooling.enable(box, 10, "the demo model")
     call = ToolCall("read_file", {"path": "notes.txt"}, "c1")
-    with forced_reply(demo_engine, chat.tool_format.call_text([call]), "It needs time."):
+    with forced_reply(demo_engine, chat.tooling.format.call_text([call]), "It needs time."):
         st = chat.turn("What does bread need? Read notes.txt.")
     return chat, st.to_json(), at_answer
 
@@ -283,10 +284,10 @@ def test_calls_past_the_budget_wait_for_the_user_and_without_more_the_model_answ
     calls = [ToolCall("read_file", {"path": "notes.txt", "start": i + 1}, f"c{i}") for i in range(3)]
     for answer in (False, True):
         chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
-        chat.enable_tools(toolbox(tmp_path), 2, "the demo model")
+        chat.tooling.enable(toolbox(tmp_path), 2, "the demo model")
         asked: list[tuple[int, int]] = []
-        chat.go_on = lambda made, more: asked.append((made, more)) or answer
-        texts = [chat.tool_format.call_text([c]) for c in calls] + ["Done."]
+        chat.tooling.go_on = lambda made, more: asked.append((made, more)) or answer
+        texts = [chat.tooling.format.call_text([c]) for c in calls] + ["Done."]
         with forced_reply(demo_engine, *texts):
             st = chat.turn(QUESTION)
         ran = [m for m in chat.conv.messages if m.role == "tool"]
@@ -295,9 +296,9 @@ def test_calls_past_the_budget_wait_for_the_user_and_without_more_the_model_answ
         assert [m.call["status"] for m in ran] == ["ok", "ok", "ok" if answer else "not_run"]  # ... run or not
         assert answer or ("not run" in ran[-1].content and "answer from the results" in ran[-1].content)
         assert not st.cut and chat.conv.messages[-1].content == "Done."  # either way the turn ends in an answer
-        assert st.extra.get("loop_end") == (None if answer else "tool_budget")
+        assert st.tools.loop_end == (None if answer else "tool_budget")
         assert st.recomputed_tokens <= st.new_tokens + 1
-        assert sum(s.extra["tool_calls"] for s in st.steps[1:] + [st]) == (3 if answer else 2)  # calls that ran
+        assert sum(s.tools.tool_calls for s in st.steps[1:] + [st]) == (3 if answer else 2)  # calls that ran
 
 
 def test_a_repeated_call_is_not_run_again_and_a_second_repeat_ends_the_loop_in_an_answer(demo_engine, official_dir,
@@ -311,8 +312,8 @@ def test_a_repeated_call_is_not_run_again_and_a_second_repeat_ends_the_loop_in_a
     ran: list[str] = []
     box = Toolbox(Root(tmp_path), approve=lambda r: ran.append(r.tool) or Decision("once"), offered=("read_file",))
     chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
-    chat.enable_tools(box, 10, "the demo model")
-    text, new = chat.tool_format.call_text([read]), chat.tool_format.call_text([other])
+    chat.tooling.enable(box, 10, "the demo model")
+    text, new = chat.tooling.format.call_text([read]), chat.tooling.format.call_text([other])
     with forced_reply(demo_engine, text, text, new, text, "Flour, water and salt."):
         st = chat.turn(QUESTION)
     results = [m for m in chat.conv.messages if m.role == "tool"]
@@ -320,7 +321,7 @@ def test_a_repeated_call_is_not_run_again_and_a_second_repeat_ends_the_loop_in_a
     assert [m.call["status"] for m in results] == ["ok", "repeated", "ok", "repeated"]
     assert "already called with these arguments; its result is above" in results[1].content
     assert "No more tool calls" not in results[1].content and "No more tool calls" in results[3].content
-    assert st.extra["loop_end"] == "repeated_calls" and chat.conv.messages[-1].content == "Flour, water and salt."
+    assert st.tools.loop_end == "repeated_calls" and chat.conv.messages[-1].content == "Flour, water and salt."
     assert all(s.recomputed_tokens <= s.new_tokens + 1 for s in [*st.steps[1:], st])
 
 
@@ -329,8 +330,8 @@ def _edit_loop(demo_engine, official_dir, tmp_path, calls: list[ToolCall], quest
     stats and its results."""
     (tmp_path / "notes.txt").write_text(NOTES)
     chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
-    chat.enable_tools(toolbox(tmp_path, ("read_file", "edit_file")), 10, "the demo model")
-    with forced_reply(demo_engine, *[chat.tool_format.call_text([c]) for c in calls], "Done."):
+    chat.tooling.enable(toolbox(tmp_path, ("read_file", "edit_file")), 10, "the demo model")
+    with forced_reply(demo_engine, *[chat.tooling.format.call_text([c]) for c in calls], "Done."):
         st = chat.turn(question)
     return st, [m for m in chat.conv.messages if m.role == "tool"]
 
@@ -342,7 +343,7 @@ def test_a_failed_call_repeated_gets_another_chance_with_other_arguments(demo_en
                              "Replace salt by sugar in notes.txt.")
     assert [m.call["status"] for m in results] == ["error", "repeated", "ok"]
     assert "The file holds:\n" + NOTES in results[0].content  # what a model needs to write an edit that applies
-    assert "failed with these arguments" in results[1].content and "loop_end" not in st.extra
+    assert "failed with these arguments" in results[1].content and st.tools.loop_end is None
     assert (tmp_path / "notes.txt").read_text() == NOTES.replace("salt", "sugar")
 
 
@@ -353,7 +354,7 @@ def test_a_failed_call_repeated_twice_ends_the_loop_and_the_model_says_why(demo_
     assert [m.call["status"] for m in results] == ["error", "repeated", "repeated"]
     assert "Call it with other arguments" in results[1].content
     assert "No more tool calls: tell the user why it cannot be done" in results[2].content
-    assert st.extra["loop_end"] == "repeated_calls" and (tmp_path / "notes.txt").read_text() == NOTES
+    assert st.tools.loop_end == "repeated_calls" and (tmp_path / "notes.txt").read_text() == NOTES
 
 
 def test_a_read_repeated_after_an_edit_runs_again(demo_engine, official_dir, tmp_path):
@@ -363,7 +364,7 @@ def test_a_read_repeated_after_an_edit_runs_again(demo_engine, official_dir, tmp
     edit = ToolCall("edit_file", {"path": "notes.txt", "old": "salt", "new": "sugar"}, "c2")
     st, results = _edit_loop(demo_engine, official_dir, tmp_path, [read, edit, read],
                              "Replace salt by sugar in notes.txt and check it.")
-    assert [m.call["status"] for m in results] == ["ok", "ok", "ok"] and "loop_end" not in st.extra
+    assert [m.call["status"] for m in results] == ["ok", "ok", "ok"] and st.tools.loop_end is None
     assert "salt" in results[0].content and "sugar" in results[2].content and "salt" not in results[2].content
 
 
@@ -374,11 +375,11 @@ def test_a_loose_call_runs_and_is_laid_out_as_its_template_writes_calls(demo_eng
     written; after the loop the window is the official rendering."""
     (tmp_path / "notes.txt").write_text(NOTES)
     chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
-    chat.enable_tools(toolbox(tmp_path), 10, "the demo model")
+    chat.tooling.enable(toolbox(tmp_path), 10, "the demo model")
     fenced = 'Let me look.\n```json\n{\n  "name": "read_file",\n  "arguments": {\n    "path": "notes.txt"\n  }\n}\n```'
     shown: list[str] = []
     with forced_reply(demo_engine, fenced, "Flour, water and salt."):
-        st = chat.turn(QUESTION, on_text=shown.append)
+        st = chat.turn(QUESTION, TurnSink(text=shown.append))
     call, result, answer = [m for m in chat.conv.messages if m.in_window][1:]
     assert [(c["name"], c["arguments"]) for c in call.calls] == [("read_file", {"path": "notes.txt"})]
     assert result.content == NOTES.rstrip("\n") and answer.content == "Flour, water and salt."
@@ -386,8 +387,8 @@ def test_a_loose_call_runs_and_is_laid_out_as_its_template_writes_calls(demo_eng
     assert "".join(shown) == "Let me look.\n\nFlour, water and salt."
     laid = kv_text(demo_engine, call.tokens)
     assert laid == 'Let me look.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "notes.txt"}}\n</tool_call>'
-    assert st.extra["rewritten_call_tokens"] > 0  # evaluated by the step after the call
-    assert st.recomputed_tokens <= st.new_tokens + st.extra["rewritten_call_tokens"] + 1
+    assert st.tools.rewritten_call_tokens > 0  # evaluated by the step after the call
+    assert st.recomputed_tokens <= st.new_tokens + st.tools.rewritten_call_tokens + 1
     window = kv_text(demo_engine, chat.conv.window_tokens()[:st.prompt_tokens])
     assert window == official_prompt(chat, 3)
 
@@ -428,8 +429,7 @@ class Asked:
         self.box = Toolbox(Root(root), self.asking.approve, ahead=True)  # as the app sets it up for the terminal
 
         def enable() -> None:
-            self.h.ctl.chat.enable_tools(self.box, max_calls, "demo")
-            self.h.ctl.chat.go_on = self.asking.go_on
+            self.h.ctl.chat.tooling.enable(self.box, max_calls, "demo", go_on=self.asking.go_on)
         self.h.repl.scheduler.call(enable).result()
         self.engine = self.h.ctl.rt.engine
 
@@ -439,7 +439,7 @@ class Asked:
         return forced(self.engine, *(self.engine.tokenize(t, special=True) + [eog] for t in texts))
 
     def call_text(self, name: str, **args) -> str:
-        return self.h.ctl.chat.tool_format.call_text([ToolCall(name, args, "c1")])
+        return self.h.ctl.chat.tooling.format.call_text([ToolCall(name, args, "c1")])
 
     def ask(self, message: str, *replies: str) -> None:
         """Send `message`; the model's replies are `replies`; wait until a call is asked about."""
@@ -481,7 +481,7 @@ def test_a_read_is_in_the_kv_while_the_terminal_asks_and_more_calls_wait_at_the_
     try:
         a.ask("Read both notes", a.call_text("read_file", path="notes.txt"), a.call_text("read_file", path="short.txt"),
               "Read both.")
-        assert a.h.ctl.chat.prefetch_done.wait(120)  # the user reads; the result goes into the KV meanwhile
+        assert a.h.ctl.chat.tooling.prefetch_done.wait(120)  # the user reads; the result goes into the KV meanwhile
         a.h.type("o")
         a.h.wait(lambda: a.asking.request is not None and any(a.asking.request.budget))
         assert "go on with tool calls" in a.h.repl.live.view()[0][1]  # the second call would pass the budget
@@ -629,13 +629,13 @@ def test_with_tool_choice_required_every_sampled_call_parses_and_fits_its_schema
     chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
     chat.settings = dataclasses.replace(chat.settings, max_tokens=320,
                                         sampling=SamplingConfig(temperature=1.0, seed=7))
-    chat.enable_tools(toolbox(tmp_path), 3, "the demo model", "required")
+    chat.tooling.enable(toolbox(tmp_path), 3, "the demo model", "required")
     st = chat.turn(QUESTION)  # sampled for real: the grammar makes the first reply a call, then the loop
     call, result = chat.conv.messages[1], chat.conv.messages[2]
     assert call.calls and call.calls[0]["name"] == "read_file" and result.role == "tool"
     assert st.steps and st.recomputed_tokens <= st.new_tokens + 1
     schema = toolbox(tmp_path).schemas()[0]
-    gbnf = chat.tool_format.grammar([schema], loose=False)  # the template's own form, as required holds it
+    gbnf = chat.tooling.format.grammar([schema], loose=False)  # the template's own form, as required holds it
     prompt = chat.conv.window_tokens()[:st.steps[0].prompt_tokens]
     unparsable = []
     for seed in range(100):  # 100 sampled calls from the same prompt, each under the grammar from its start
@@ -644,7 +644,7 @@ def test_with_tool_choice_required_every_sampled_call_parses_and_fits_its_schema
         gen = Generation(tokens=[])
         for _ in demo_engine.generate(sampler, 320, gen):  # a bounded path (256 characters) fits
             pass
-        found = chat.tool_format.find(kv_text(demo_engine, gen.tokens))
+        found = chat.tooling.format.find(kv_text(demo_engine, gen.tokens))
         if len(found.calls) != 1 or validate(schema, found.calls[0].arguments):
             unparsable.append((seed, kv_text(demo_engine, gen.tokens)))
     assert unparsable == []

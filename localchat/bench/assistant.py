@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from localchat import paths, runtime
-from localchat.app import past_conversations
 from localchat.bench.idle import median
 from localchat.bench.peer import PeerServer
 from localchat.bench.tasks import TASKS, Done, Task, make_folder, seed_memory
 from localchat.chat.documents import frame
 from localchat.chat.stats import TurnStats
 from localchat.chatformat import loosecalls
+from localchat.host.opening import past_conversations
 from localchat.settings import Profile
 from localchat.tools.builtin import READ_ONLY, SIDE_EFFECTS, Decision, Request, Toolbox
 from localchat.tools.rooted import Root
@@ -94,14 +94,14 @@ class Ours:
         chat = self.rt.chat
         chat.new()
         box = Toolbox(Root(root), scripted_approval, timeout=self.profile.tool_timeout,
-                      search=lambda query, limit: past_conversations(query, limit))
-        chat.enable_tools(box, self.profile.max_tool_calls, self.rt.model.path.name, self.profile.tool_choice)
+                      provided={"search_conversations": lambda query, limit: past_conversations(query, limit)})
+        chat.tooling.enable(box, self.profile.max_tool_calls, self.rt.model.path.name, self.profile.tool_choice)
         run, stats, t0 = Run(task.name, task.kind), [], time.perf_counter()
         for text in task.turns:
             st = chat.turn(text)
             stats += [*st.steps, st]
             run.answers.append(chat.conv.messages[-1].content)
-            run.loop_end = run.loop_end or st.extra.get("loop_end", "")
+            run.loop_end = run.loop_end or st.tools.loop_end or ""
         run.wall_s = time.perf_counter() - t0
         self._count(run, stats)
         return run
@@ -152,7 +152,7 @@ class Theirs:
 
     def run(self, task: Task, root: Path) -> Run:
         box = Toolbox(Root(root), scripted_approval, timeout=self.timeout,
-                      search=lambda query, limit: past_conversations(query, limit))
+                      provided={"search_conversations": lambda query, limit: past_conversations(query, limit)})
         if task.stdin:
             return self._one_shot(task, box)
         messages: list[dict[str, Any]] = []

@@ -108,7 +108,7 @@ def run_kv(args, profile, home: Path, kv: str, progress, result: dict) -> dict:
     with contextlib.ExitStack() as stack:
         rt = runtime.open_runtime(profile, _report)
         stack.callback(rt.close)
-        rt.chat.conv.system = text_of(rt.engine, args.system_tokens, "system")
+        rt.chat.set_system(text_of(rt.engine, args.system_tokens, "system"), cause="")
         users = [text_of(rt.engine, args.user_tokens, f"question {i}") for i in range(args.turns)]
         res = run_localchat(rt, args, users, home, kv, progress)
         prompts, replies = res["prompts"], res["replies"]

@@ -6,7 +6,7 @@ Repetitive: the user pastes a passage of about 300 tokens and asks for it back w
 when a reply quotes a document or edits pasted code. Not repetitive: a story on a new subject.
 The speeds are medians of wall-clock tokens a second (llama-bench's too, run once per round). The
 greedy replies are compared: past 256 tokens of context llama.cpp computes a one-token step with
-other kernels than a batch (README: Speed), so they may part where two tokens score within
+other kernels than a batch (docs/profiles.md: Speed), so they may part where two tokens score within
 rounding; where, is reported.
 """
 
@@ -43,17 +43,15 @@ def fresh_reply(rt: runtime.Runtime, mode: str, text: str, reply_tokens: int) ->
     """One greedy reply in a fresh chat: its tokens, wall tokens a second, drafted, accepted, the prompt's size.
     `mode` "draft": auto, with the profile's draft model where the history offers no draft."""
     tokens, st = _fresh_turn(rt, mode, text, reply_tokens)
-    return (tokens, float(st.extra.get("wall_decode_tps", 0.0)), int(st.extra.get("draft_tokens", 0)),
-            int(st.extra.get("accepted_tokens", 0)), st.prompt_tokens)
+    return (tokens, float(st.decode.wall_decode_tps or 0.0), int(st.drafts.draft_tokens or 0),
+            int(st.drafts.accepted_tokens or 0), st.prompt_tokens)
 
 
 def _fresh_turn(rt: runtime.Runtime, mode: str, text: str, reply_tokens: int) -> tuple[list[int], TurnStats]:
     rt.engine.clear()
     settings = dataclasses.replace(runtime.chat_settings(rt.profile), speculate="auto" if mode == "draft" else mode,
                                    max_tokens=reply_tokens, sampling=SamplingConfig(temperature=0))
-    chat = Chat(rt.engine, rt.chat.fmt, settings)
-    if mode == "draft" and chat.speculation is not None:
-        chat.speculation.model = rt.draft
+    chat = Chat(rt.engine, rt.chat.fmt, settings, draft=rt.draft if mode == "draft" else None)
     st = chat.turn(text)
     return chat.conv.messages[-1].tokens, st
 
@@ -93,12 +91,12 @@ def _workload_runs(rt: runtime.Runtime, modes: tuple[str, ...], text: str, repea
             tokens, st = _fresh_turn(rt, mode, text, reply_tokens)
             depth = st.prompt_tokens
             replies.setdefault(mode, tokens)
-            rates[mode].append(float(st.extra.get("wall_decode_tps", 0.0)))
-            drafts[mode][0] += int(st.extra.get("draft_tokens", 0))
-            drafts[mode][1] += int(st.extra.get("accepted_tokens", 0))
-            if mode == "off" and "first_step_ms" in st.extra:
-                steady.append(float(st.extra["wall_decode_tps_after_first"]))
-                first_steps.append(float(st.extra["first_step_ms"]))
+            rates[mode].append(float(st.decode.wall_decode_tps or 0.0))
+            drafts[mode][0] += int(st.drafts.draft_tokens or 0)
+            drafts[mode][1] += int(st.drafts.accepted_tokens or 0)
+            if mode == "off" and st.decode.first_step_ms is not None:
+                steady.append(float(st.decode.wall_decode_tps_after_first or 0.0))
+                first_steps.append(float(st.decode.first_step_ms))
     med = {m: round(statistics.median(v), 1) for m, v in rates.items()}
     part: dict[str, Any] = {
         "decode_tps": med, "runs": rates, "reply_tokens": len(replies["off"]),

@@ -55,8 +55,8 @@ def _chat(rt: runtime.Runtime, home: Path, name: str, doc: Path, store: bool) ->
     st = ctl.turn(QUESTION)
     ctl.close()
     return {"ttft_s": st.ttft_s, "prefill_s": st.prefill_s, "cached": st.cached_tokens,
-            "recomputed": st.recomputed_tokens, "store_tokens": st.extra.get("prefix_store_tokens", 0),
-            "threads_batch": st.extra.get("threads_batch"),  # past 256 tokens llama.cpp's sums depend on it
+            "recomputed": st.recomputed_tokens, "store_tokens": st.prefix.prefix_store_tokens or 0,
+            "threads_batch": st.decode.threads_batch,  # past 256 tokens llama.cpp's sums depend on it
             "reply": rt.chat.conv.messages[-1].tokens}
 
 

@@ -87,8 +87,8 @@ def median(xs: list[float]) -> float:
 def _row(label: str, st: TurnStats) -> dict[str, Any]:
     return {"case": label, "ttft_s": round(st.ttft_s, 4), "prompt_tokens": st.prompt_tokens,
             "recomputed_tokens": st.recomputed_tokens, "new_tokens": st.new_tokens,
-            "read_ahead_tokens": st.extra.get("read_ahead_tokens", 0), "idle_tokens": st.extra.get("idle_tokens", 0),
-            "discarded_ahead_tokens": st.extra.get("discarded_ahead_tokens", 0)}
+            "read_ahead_tokens": st.ahead.read_ahead_tokens or 0, "idle_tokens": st.ahead.idle_tokens or 0,
+            "discarded_ahead_tokens": st.ahead.discarded_ahead_tokens or 0}
 
 
 # ---------------------------------------------------------------- typing
@@ -109,8 +109,9 @@ def _paste_then_type(ui: ScriptedTerminal, paste: str, question: str, cps: float
 def _traced() -> Callable[[], dict[str, Any] | None]:
     """The trace on (to the file LOCALCHAT_TRACE names, else a temporary one): the last turn's line."""
     if not TRACE.on:
-        fd, TRACE.path = tempfile.mkstemp(prefix="localchat-trace-", suffix=".jsonl")
+        fd, made = tempfile.mkstemp(prefix="localchat-trace-", suffix=".jsonl")
         os.close(fd)
+        TRACE.trace_to(made)
     path = Path(TRACE.path or "")
 
     def last() -> dict[str, Any] | None:
@@ -123,8 +124,8 @@ def run_typing(profile: Any, args: Any, report: Callable[[str], None]) -> dict[s
     last_trace = _traced()
     rt = runtime.open_runtime(profile, report)
     ctl = Session(rt, None, report, autosave=False, background=True)
-    rt.chat.conv.system = text_of(rt.engine, args.system_tokens, "system")
-    ui = ScriptedTerminal(ctl, lambda st: ctl.after_turn(st))
+    rt.chat.set_system(text_of(rt.engine, args.system_tokens, "system"), cause="")
+    ui = ScriptedTerminal(ctl)
     users = [text_of(rt.engine, args.user_tokens, f"question {i}") for i in range(args.turns)]
     rows: list[dict[str, Any]] = []
     prompts: dict[str, list[int]] = {}
@@ -139,7 +140,7 @@ def run_typing(profile: Any, args: Any, report: Callable[[str], None]) -> dict[s
         question = text_of(rt.engine, 20, "so what does it say")
 
         def case(label: str, read_ahead: bool, type_it: Callable[[], None]) -> None:
-            ctl.chat.read_ahead = read_ahead  # the engine's thread reads it at its next step
+            ctl.chat.set_read_ahead(read_ahead)  # the engine's thread reads it at its next step
             ui.quiet()
             type_it()
             ui.quiet()
@@ -178,10 +179,11 @@ def run_typing(profile: Any, args: Any, report: Callable[[str], None]) -> dict[s
 def _line_mode_word(ctl: Session, repeat: int, last_trace: Callable[[], dict[str, Any] | None]) -> list[dict]:
     """The one-word turn as line mode takes it (the session's turn on this thread, no terminal UI), each
     from the same state: the next head warmed first, as line mode's after_turn warms it."""
-    ctl.background, rows = False, []
+    ctl.set_background(False)
+    rows: list[dict] = []
     for _ in range(repeat):
-        ctl.chat.warm_next_head()
-        TRACE.mode = "line"
+        ctl.chat.ahead.warm_next_head()
+        TRACE.trace_to(None, "line")
         TRACE.begin()
         st = ctl.turn("Why?")
         TRACE.end()
@@ -219,7 +221,7 @@ def run_reasoning(profile: Any, args: Any, report: Callable[[str], None]) -> dic
     system = text_of(e, 256, "system")
     reply = _reasoning_reply(e, args.reasoning_tokens, args.answer_tokens)
     question, follow_up = text_of(e, 50, "a hard question"), text_of(e, 30, "and then")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for _ in range(max(1, args.repeat)):
         for mode in ("read first", "sent at once", "as-sampled"):
             e.clear()
@@ -230,11 +232,11 @@ def run_reasoning(profile: Any, args: Any, report: Callable[[str], None]) -> dic
                 chat.turn(question)
             t0 = time.perf_counter()
             if mode != "sent at once":
-                chat.warm_next_head()  # the user reads the reply meanwhile
+                chat.ahead.warm_next_head()  # the user reads the reply meanwhile
             idle_s = time.perf_counter() - t0
             st = chat.turn(follow_up)
             rows.append({"mode": mode, "idle_s": round(idle_s, 4), "ttft_s": round(st.ttft_s, 4),
-                         "canonicalized_tokens": st.extra["canonicalized_tokens"],
+                         "canonicalized_tokens": st.ahead.canonicalized_tokens or 0,
                          "prompt_tokens": st.prompt_tokens, "recomputed_tokens": st.recomputed_tokens,
                          "new_tokens": st.new_tokens})
             report(f"\rreasoning bench: {mode} TTFT {st.ttft_s:.3f} s" + " " * 20)

@@ -113,8 +113,8 @@ def _resume(rt: runtime.Runtime, ctl: Session, store: SessionDir) -> dict:
     load_s = time.perf_counter() - t0
     _, restore_first = _first_token(engine, window, t0, greedy)
     ctl.note_restored()
-    ctl.chat.drop_warm()  # the timed load replaced the KV that resume() had warmed
-    ctl.chat.warm_next_head()
+    ctl.chat.ahead.drop_warm()  # the timed load replaced the KV that resume() had warmed
+    ctl.chat.ahead.warm_next_head()
     faster = "restore" if load_s < prefill_s else "re-prefill"
     chosen = "restore" if chose_restore else "re-prefill"
     return {"tokens": len(window), "state_bytes": header.payload_size, "load_s": load_s, "reprefill_s": prefill_s,
@@ -182,7 +182,7 @@ def repeat_last_turn(rt: runtime.Runtime, last_text: str, prompts: list[list[int
     rows = []
     for k in range(1, rounds + 1):
         engine.prefill(before)  # the state after the previous turn (later rounds: a rewind of what recompute left)
-        chat.warm_next_head()  # as after_turn does once a reply has been shown
+        chat.ahead.warm_next_head()  # as after_turn does once a reply has been shown
         st = chat.turn(last_text)
         rows.append(Row("resume", kv, len(prompts), st.prompt_tokens, st.recomputed_tokens, st.ttft_s, st.prefill_s,
                         st.decode_tps, repeat=k))

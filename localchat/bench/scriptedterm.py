@@ -12,24 +12,25 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
 from localchat.chat.stats import TurnStats
+from localchat.host.host import Host
 from localchat.session.lifecycle import Session
-from localchat.ui.repl import AfterTurn, Repl
+from localchat.ui.repl import Repl
 
 
 class ScriptedTerminal:
     """The terminal UI driven by a script instead of a person (the benchmark): keystrokes into a pipe,
     at the speed given, through the same code path as a real terminal; the stats of each turn."""
 
-    def __init__(self, ctl: Session, after_turn: AfterTurn):
+    def __init__(self, ctl: Session):
         self._pipe = create_pipe_input()
         self.input = self._pipe.__enter__()
         self.turns: list[TurnStats] = []
 
         def record(st: TurnStats) -> None:
-            after_turn(st)
+            ctl.after_turn(st)
             self.turns.append(st)
 
-        self.repl = Repl(ctl, record, input=self.input, output=DummyOutput())
+        self.repl = Repl(Host(ctl, record), input=self.input, output=DummyOutput())
         self.printed: list[str] = []
         self.repl.print = lambda text, style="": self.printed.append(text)  # type: ignore[method-assign]
         self._thread = threading.Thread(target=lambda: asyncio.run(self.repl.run_async()), daemon=True)

@@ -57,10 +57,11 @@ def _notes(engine: Engine, tokens: int) -> tuple[str, int]:
 
 
 def _chat(engine: Engine, source: str, root: Path, settings: ChatSettings,
-          approve: Callable[[Request], Decision], ahead: bool = False) -> Chat:
+          approve: Callable[[Request], Decision], ahead: bool = False, max_calls: int = 10) -> Chat:
     engine.clear()
     chat = Chat(engine, ChatFormat(source, engine.special_text("bos"), engine.special_text("eos")), settings)
-    chat.enable_tools(Toolbox(Root(root), approve, ahead=ahead), 10, "the bench model")  # as the app: grammar on
+    # as the app: grammar on
+    chat.tooling.enable(Toolbox(Root(root), approve, ahead=ahead), max_calls, "the bench model")
     return chat
 
 
@@ -81,21 +82,22 @@ def _loop(engine: Engine, source: str, settings: ChatSettings, notes: str, line:
     client of llama-server would send them."""
     with _workdir(notes) as root:
         chat = _chat(engine, source, root, settings, lambda request: Decision("once"))
-        assert chat.tool_format is not None
+        assert chat.tooling.format is not None
         calls = _calls(line)
         t0 = time.perf_counter()
-        with _forced(engine, chat.tool_format, calls, ANSWER):
+        with _forced(engine, chat.tooling.format, calls, ANSWER):
             last = chat.turn(QUESTION)
         wall = time.perf_counter() - t0
         fixed = "receive" in (root / FILE).read_text()
     steps = [*last.steps, last]
     results = [m.content for m in chat.conv.messages if m.role == "tool"]
     return {"steps": [{"evaluated": s.llama_prompt_eval, "recomputed": s.recomputed_tokens, "new": s.new_tokens,
-                       "padding": s.extra.get("padding_tokens", 0), "reply_tokens": s.reply_tokens,
+                       "padding": s.decode.padding_tokens or 0, "reply_tokens": s.reply_tokens,
                        "prefill_s": round(s.prefill_s, 4),
                        "ttft_s": round(s.ttft_s, 4)} for s in steps],
             "evaluated_total": sum(s.llama_prompt_eval for s in steps), "wall_s": round(wall, 4),
-            "edit_made": fixed, "results": results, "schemas": chat.runner.schemas() if chat.runner else [],
+            "edit_made": fixed, "results": results,
+            "schemas": chat.tooling.runner.schemas() if chat.tooling.runner else [],
             "calls": calls}
 
 
@@ -123,13 +125,13 @@ def _approval(engine: Engine, source: str, settings: ChatSettings, notes: str, r
     with _workdir(notes) as root:
         def approve(request: Request) -> Decision:
             if reads:
-                chat.prefetch_done.wait(600)  # asked during the turn, once `chat` is made
+                chat.tooling.prefetch_done.wait(600)  # asked during the turn, once `chat` is made
             return Decision("once")
 
-        chat = _chat(engine, source, root, settings, approve, ahead=True)
-        chat.max_tool_calls = 1  # a call the sampled reply may write is not run
-        assert chat.tool_format is not None
-        with forced_reply(engine, _tokens(engine, chat.tool_format.call_text([_calls(0)[0]])), None):
+        chat = _chat(engine, source, root, settings, approve, ahead=True, max_calls=1)  # a call the sampled
+        # reply may write is not run
+        assert chat.tooling.format is not None
+        with forced_reply(engine, _tokens(engine, chat.tooling.format.call_text([_calls(0)[0]])), None):
             st = chat.turn(QUESTION)
         return (st.steps[1] if len(st.steps) > 1 else st).ttft_s  # the reply after "once", not a stopped call
 

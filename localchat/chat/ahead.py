@@ -18,7 +18,7 @@ from typing import Protocol
 from localchat.chat import official, transcript
 from localchat.chat.conversation import Conversation
 from localchat.chat.documents import Attachments
-from localchat.chat.stats import TurnStats
+from localchat.chat.stats import AheadStats, TurnStats
 from localchat.chatformat.templates import ChatFormat
 from localchat.engine import Engine, PrefillResult
 
@@ -256,5 +256,25 @@ class Ahead:
         head_part = min(early, max(0, history_end + head_len - own_from))
         st.cached_tokens = pre.cached - early
         st.recomputed_tokens = pre.recomputed - in_turn_canon + early
-        st.extra.update(idle_tokens=head_part, read_ahead_tokens=early - head_part, after_enter_tokens=pre.recomputed,
-                        discarded_ahead_tokens=self.discarded, canonicalized_tokens=self.canonicalized + in_turn_canon)
+        st.ahead = AheadStats(idle_tokens=head_part, read_ahead_tokens=early - head_part,
+                              after_enter_tokens=pre.recomputed, discarded_ahead_tokens=self.discarded,
+                              canonicalized_tokens=self.canonicalized + in_turn_canon)
+
+    def warm_next_head(self) -> int:
+        """Bring the history to its official form and evaluate the next turn's head now, while the user
+        reads, so the next first token waits only for the user's words. Returns the tokens past the
+        history that were evaluated (the reply's end-of-turn token and the head)."""
+        e = self.chat.engine
+        before = max(e.n_kv, self.own_from if self.planned else 0)
+        self.settle()
+        return max(0, e.n_kv - max(before, self.own_from))
+
+    def drop_warm(self) -> bool:
+        """Take what was evaluated past the history back out of the KV (before a save of a
+        sliding-window cache, whose restored state must hold the transcript's tokens only)."""
+        window = self.chat.conv.window_tokens()
+        e = self.chat.engine
+        if e.n_kv > len(window) and e.tokens[:len(window)] == window and e.can_rewind_to(len(window)):
+            e.truncate(len(window))
+            return True
+        return False

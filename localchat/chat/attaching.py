@@ -151,13 +151,12 @@ def _attached(d: Document) -> str:
 def _resource(chat: Chat, where: str) -> Document:
     """An MCP server's resource (`mcp:SERVER/URI`) as a document, framed like a file."""
     server, _, uri = where.partition("/")
-    resource = getattr(chat.runner, "resource", None)
     if not server or not uri:
         raise DocumentError(f"{MCP_SCHEME}{where}: name a server and a resource ({MCP_SCHEME}SERVER/URI)")
-    if resource is None:
+    if chat.tooling.runner is None:
         raise DocumentError(f"{MCP_SCHEME}{where}: this chat has no MCP servers (--mcp NAME chooses them)")
     try:
-        text = resource(server, uri)
+        text = chat.tooling.runner.resource(server, uri)
     except ValueError as exc:
         raise DocumentError(f"{MCP_SCHEME}{where}: {exc}") from None
     name = f"{MCP_SCHEME}{where}"

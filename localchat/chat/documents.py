@@ -63,6 +63,10 @@ class Attachments:
             ends.append(at)
         return ends
 
+    def keep(self, docs: list[Document]) -> None:
+        """These documents are the ones sent with the next message (they came with the chat of another model)."""
+        self.pending = list(docs)
+
     def take(self) -> tuple[str, list[dict]]:
         """Send them: (the text that opens the message, the message's records of them)."""
         docs, self.pending = self.pending, []

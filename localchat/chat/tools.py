@@ -66,20 +66,24 @@ class Repeated:
 
 
 class ToolRunner(Protocol):
-    """What runs a chat's tool calls (approval included): the built-in tools, later MCP servers."""
+    """What runs a chat's tool calls (approval included): the built-in tools, and the MCP servers' with them."""
 
     def schemas(self) -> list[dict[str, Any]]: ...
     def changes(self, name: str) -> bool: ...  # a call of it may change what other calls return
     def preview(self, call: ToolCall) -> Outcome | None: ...
     def call(self, call: ToolCall, cancelled: Callable[[], bool] | None, ready: Any = None) -> Outcome: ...
     def refreshed(self) -> bool: ...  # whether the tool list changed since it was offered (then offer it anew)
+    def resource(self, server: str, uri: str) -> str: ...  # an MCP resource's text (/attach mcp:); ValueError: why not
+
+    @property
+    def hub(self) -> Any: ...  # the chat's MCP servers (tools.mcp.Hub: /mcp), None where it has none
 
 
 class Steps(Protocol):
     """What the loop needs of the chat."""
 
     runner: ToolRunner | None
-    max_tool_calls: int
+    max_calls: int
 
     def last_calls(self) -> list[ToolCall]: ...
     def prefetch(self, calls: list[ToolCall], outcomes: list[Outcome], stale: Callable[[], bool]) -> None: ...
@@ -108,13 +112,13 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
     seen: dict[str, str] = {}  # each call made in this turn: how it ended
     repeats = 0
     while not last.cut and not ended and (calls := chat.last_calls()):
-        if made + len(calls) > chat.max_tool_calls and not (go_on is not None and go_on(made, len(calls))):
+        if made + len(calls) > chat.max_calls and not (go_on is not None and go_on(made, len(calls))):
             # each call gets its result (a template renders a call with none as still to answer)
             steps.append(last)
             last = step(calls, [NotRun()] * len(calls), "", time.perf_counter(), True)
-            last.extra["loop_end"] = BUDGET_STOP
+            last.tools.loop_end = BUDGET_STOP
             break
-        if made + len(calls) > chat.max_tool_calls:
+        if made + len(calls) > chat.max_calls:
             made = 0  # the user said go on: a new budget
         before = [seen.get(_key(c)) for c in calls]
         repeats += sum(b is not None for b in before)
@@ -131,7 +135,7 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
         last = step(calls, outcomes, "cancelled" if cancelled is not None and cancelled() else "", started,
                     bool(ended))
     if ended:
-        last.extra["loop_end"] = ended
+        last.tools.loop_end = ended
     last.steps = steps
     return last
 

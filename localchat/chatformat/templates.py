@@ -73,6 +73,10 @@ class ChatFormat:
         self._opening: str | None = None  # calls written in a reply's text: their opening (see _content_opening)
         self._probe()
 
+    def date(self, when: datetime | None) -> None:
+        """The date templates print (strftime_now): the conversation's start; None: today."""
+        self.now = when
+
     def _probe(self) -> None:
         """Render the probe conversation now, at load: a template that breaks a bound, the sandbox
         or its own rules is refused before any turn. One that refuses only the system role (Gemma 2,

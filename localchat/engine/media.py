@@ -124,11 +124,19 @@ class MediaTable:
 
     def __init__(self) -> None:
         self.runs: dict[int, Embedding] = {}
-        self.directory: Path | None = None  # the disk cache (set by the runtime)
+        self.directory: Path | None = None  # the disk cache (none: kept in memory only)
         self.n_embd = 0
         self.mrope = False  # whether the model places image rows by M-RoPE: the cache's runs must say so too
         # encodes an image again from its file, by its key: "" when it did, else what the error says of it
         self.refill: Callable[[int], str] = lambda key: ""
+
+    def keep_on_disk(self, directory: Path | None) -> None:
+        """Look for runs not in memory in `directory` (the image cache; None: none)."""
+        self.directory = directory
+
+    def refill_with(self, refill: Callable[[int], str]) -> None:
+        """How an image whose run is in neither place is encoded again from its file, by its key."""
+        self.refill = refill
 
     def add(self, embeddings: dict[int, Embedding]) -> None:
         self.runs.update(embeddings)

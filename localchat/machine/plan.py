@@ -63,7 +63,7 @@ class DevicePlan:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """`localchat plan --json` prints this; its keys are documented in README.md."""
+    """`localchat plan --json` prints this; its keys are documented in docs/profiles.md."""
 
     model: str
     profile: str
@@ -255,7 +255,7 @@ def tied_output(m: ModelInfo) -> bool:
 def _host_buffers(p: Profile, m: ModelInfo, uses: list[CardUse], n_ctx: int, type_k: str) -> int:
     """llama.cpp's buffers in host RAM: the CPU backend's compute buffer where layers stay on the CPU (with the
     logits where the output does), the graph inputs staged for the devices (a ubatch's embeddings and the KQ mask:
-    CUDA_Host, fitted to the H200 runs within 0.01%, docs/gpu/memory-calibration.jsonl) and HOST_OVERHEAD."""
+    CUDA_Host, fitted to the H200 runs within 0.01%, docs/data/gpu/memory-calibration.jsonl) and HOST_OVERHEAD."""
     ub = min(p.n_ubatch, p.n_batch)
     output_offloaded = any(u.output for u in uses)
     layers_on_cpu = sum(u.layers for u in uses) < m.n_layer or not output_offloaded

@@ -6,15 +6,14 @@ The KV's half of saving and resuming (checks, restore-or-prefill, copy, write, p
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from localchat import paths
-from localchat.chat import transcript
+from localchat.chat import carryover, transcript
+from localchat.chat.request import NO_INPUTS, QUIET, Request, TurnInputs, TurnSink
 from localchat.chat.stats import TurnStats
-from localchat.chat.turns import NO_INPUTS, Progress, TextSink, TurnInputs
 from localchat.errors import ChatEnded, LocalchatError, SessionError
 from localchat.runtime import Runtime
 from localchat.session.background import BackgroundWriter
@@ -31,6 +30,18 @@ THREADS_FRESH_S = 1.0  # a load reading this young stands for the next turn's th
 
 def auto_name() -> str:
     return time.strftime("chat-%Y%m%d-%H%M%S")
+
+
+@dataclass(frozen=True)
+class SessionChoice:
+    """Which session a chat opens: a named one (resumed, or new), the most recent (`last`), a new one with
+    a made-up name (neither), or none on disk (`keep` False). A one-shot prompt with neither a name nor
+    `last` keeps no session but uses the prefix store."""
+
+    name: str | None = None
+    last: bool = False
+    keep: bool = True
+    one_shot: bool = False
 
 
 class Session:
@@ -68,22 +79,24 @@ class Session:
         self.prefix_cache = PrefixCache(self.kv, self.writer) if prefix_store else None
         # images' encodings are kept on disk where the prefix store is (--no-session keeps nothing); a chat
         # whose projector is off still evaluates the images of its history from them
-        rt.engine.media.directory = paths.private_dir(paths.image_dir()) if prefix_store else None
+        rt.engine.media.keep_on_disk(paths.private_dir(paths.image_dir()) if prefix_store else None)
+
+    def set_background(self, on: bool) -> None:
+        """Whether a scheduler does the idle work (else after_turn does it at once)."""
+        self.background = on
 
     # ------------------------------------------------------------ opening
     @classmethod
-    def open(cls, rt: Runtime, args: argparse.Namespace, report: Report, background: bool = False,
-             one_shot: bool = False) -> Session:
-        """The chat's session: named, the last one (-c), a new one, or none (--no-session keeps nothing on
-        disk; a one-shot prompt without --session or -c keeps no session but uses the prefix store)."""
-        if getattr(args, "no_session", False):
+    def open(cls, rt: Runtime, choice: SessionChoice, report: Report, background: bool = False) -> Session:
+        """The chat's session as `choice` says (see SessionChoice)."""
+        if not choice.keep:
             return cls(rt, None, report, autosave=False, background=background)
-        if one_shot and not (getattr(args, "session", None) or getattr(args, "resume_last", False)):
+        if choice.one_shot and not (choice.name or choice.last):
             ctl = cls(rt, None, report, autosave=False, prefix_store=True)
             ctl.after_last_turn = True  # the process ends with the reply: no idle work after it
             return ctl
-        name = getattr(args, "session", None)
-        if getattr(args, "resume_last", False):
+        name = choice.name
+        if choice.last:
             recent = list_sessions()
             if not recent:
                 report("localchat: no session to continue; starting a new one")
@@ -106,7 +119,7 @@ class Session:
         conv = self.store.conversation()
         carried = bool(conv.vocab) and conv.vocab != engine.signature()
         if carried:  # a session of another model (/model, or --model): its text in this one's tokens
-            chat.carry_over(conv)
+            carryover.carry_over(chat, conv)
         else:
             chat.adopt(conv)
         window = chat.conv.window_tokens()
@@ -126,22 +139,22 @@ class Session:
             missing, took = self.kv.rebuild(window, self._rebuild_progress)
             self.report(f"\rKV rebuilt: {missing} tokens in {took:.2f} s" + " " * 10)
             self._next = replace(self._next, miss_cause="")  # rebuilt: nothing left to explain
-        chat.warm_next_head()
+        chat.ahead.warm_next_head()
 
     def _rebuild_progress(self, done: int, total: int) -> None:
         if total >= 256:
             self.report(f"\rrebuilding KV: {done}/{total} tokens")
 
     # ------------------------------------------------------------ turns
-    def turn(self, text: str, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None,
-             progress: Progress | None = None, started: float | None = None,
-             on_thought: TextSink | None = None) -> TurnStats:
-        """One exchange; `started`: when the user pressed Enter (perf_counter), for the TTFT. A prefix
-        loaded from disk is part of the wait for the first token. The user's message is on disk (fsynced)
+    def turn(self, request: Request | str, sink: TurnSink = QUIET) -> TurnStats:
+        """One exchange; the request's `started` (perf_counter) is when the user pressed Enter, for the TTFT. A
+        prefix loaded from disk is part of the wait for the first token. The user's message is on disk (fsynced)
         before its reply starts: a kill -9 mid-reply keeps it."""
         if self.ended:
             raise ChatEnded(f"the chat cannot go on: {self.ended}")
-        started = time.perf_counter() if started is None else started
+        request = Request(request) if isinstance(request, str) else request
+        if request.started is None:
+            request = replace(request, started=time.perf_counter())
         TRACE.stamp("turn_start")
         # other programs may have started or stopped since the last turn (the terminal UI read it in idle time)
         self.rt.refit_threads(fresh=THREADS_FRESH_S if self.background else 0.0)
@@ -156,19 +169,19 @@ class Session:
                 tokens, seconds, names if len(tokens) > prefix_len else [])
         spec, draft = chat.speculation, self.rt.draft
         before = (spec.model_drafted if spec else 0, draft.evaluated if draft else 0)
-        st = self.chat.turn(text, on_text, cancelled, progress, started, on_prefix=on_prefix, on_thought=on_thought,
-                            inputs=self._take_inputs(), on_message=self.flush_events)
-        st.extra["threads"], st.extra["threads_batch"] = self.rt.engine.threads
+        st = self.chat.turn(replace(request, inputs=self._take_inputs()),
+                            replace(sink, prefix=on_prefix, message=self.flush_events))
+        st.decode.threads, st.decode.threads_batch = self.rt.engine.threads
         if spec and draft:  # what the draft model wrote, and evaluated to follow the context (rebuilds included)
-            st.extra["draft_model_tokens"] = spec.model_drafted - before[0]
-            st.extra["draft_model_evaluated"] = draft.evaluated - before[1]
+            st.drafts.draft_model_tokens = spec.model_drafted - before[0]
+            st.drafts.draft_model_evaluated = draft.evaluated - before[1]
         TRACE.note(prompt_tokens=st.prompt_tokens, new_tokens=st.new_tokens, recomputed_tokens=st.recomputed_tokens,
                    ttft_ms=round(st.ttft_s * 1e3, 3))
         return st
 
-    def retry(self, on_text: TextSink | None = None, cancelled: Callable[[], bool] | None = None) -> TurnStats | None:
+    def retry(self, sink: TurnSink = QUIET) -> TurnStats | None:
         """The last exchange again, as a new turn (None when there is none)."""
-        return self.chat.retry(on_text, cancelled, inputs=self._take_inputs(), on_message=self.flush_events)
+        return self.chat.retry(self._take_inputs(), replace(sink, message=self.flush_events))
 
     def _take_inputs(self) -> TurnInputs:
         """What the next turn is told, then forgotten: each is reported by one turn only."""
@@ -198,7 +211,7 @@ class Session:
             self._dirty = True
         if self.background or self.after_last_turn:
             return
-        self.chat.warm_next_head()  # the official form first: the saved state then holds it, and the head
+        self.chat.ahead.warm_next_head()  # the official form first: the saved state then holds it, and the head
         self._tell_layout_failure()
         if self._save_due():
             st.save_s = self.save()
@@ -244,11 +257,11 @@ class Session:
 
     def flush_events(self) -> None:
         if self.store is not None and self.chat.events:
-            events, self.chat.events = self.chat.events, []
+            events = self.chat.take_events()
             try:
                 torn = self.store.append(events)
             except OSError as exc:
-                self.chat.events = events + self.chat.events  # retried with the next turn
+                self.chat.keep_events(events)  # retried with the next turn
                 self._set_status(f"failed: transcript not written ({exc.strerror})")
                 return
             if torn:
@@ -265,7 +278,7 @@ class Session:
         self.flush_events()
         self.chat.ahead.drop_typed()  # unsent words are never saved
         if self.rt.engine.n_swa and not self.rt.engine.config.swa_full:
-            self.chat.drop_warm()  # a restored sliding-window state could not take the head back out
+            self.chat.ahead.drop_warm()  # a restored sliding-window state could not take the head back out
         payload, tokens, took = self.kv.copy_out()
         self._last_save, self._dirty = time.monotonic(), False
         self._saved_relayouts = self.chat.ahead.relayouts
@@ -329,7 +342,7 @@ class Session:
         if store.exists():
             raise SessionError(f"session '{name}' already exists; pick another name or /load it")
         self._take(store)
-        self.chat.events = []
+        self.chat.take_events()  # the snapshot below holds what they say
         store.append(transcript.snapshot(self.chat.conv))
 
     def close(self) -> None:

@@ -48,7 +48,7 @@ def switch_model(ctl: Session, name: str) -> str:
         raise _said(exc) from None
     try:
         notes = _carry_tools(old, new)
-        new.chat.carry_over(conv)
+        carryover.carry_over(new.chat, conv)
     except LocalchatError as exc:
         new.close()
         _reload(ctl, old, conv, pending)
@@ -57,7 +57,7 @@ def switch_model(ctl: Session, name: str) -> str:
     ctl.bind(new, ctl.prefix_cache is not None, changed=True)
     window = new.chat.conv.window_tokens()
     missing, took = ctl.kv.rebuild(window, _quiet) if len(window) <= new.engine.n_ctx else (0, 0.0)
-    ctl.chat.warm_next_head()
+    ctl.chat.ahead.warm_next_head()
     ctl.flush_events()
     turns = conv.turns
     said = f"model {new.model.path.name}: {turns} turn{'s' if turns != 1 else ''} carried over as text, "
@@ -76,10 +76,10 @@ def _said(exc: LocalchatError) -> LocalchatError:
 
 def _carry_tools(old: Runtime, new: Runtime) -> str:
     """The tools the old chat offered, offered by the new one where its template takes them."""
-    if old.chat.runner is None:
+    if old.chat.tooling.runner is None:
         return ""
     try:
-        new.chat.offer_tools_of(old.chat, new.model.path.name)
+        new.chat.tooling.offer_of(old.chat.tooling, new.model.path.name)
     except ToolsUnsupported as exc:
         return f"; tools are off: {exc}"
     return ""
@@ -87,8 +87,8 @@ def _carry_tools(old: Runtime, new: Runtime) -> str:
 
 def _carry_documents(rt: Runtime, pending: list[Document]) -> None:
     """Documents attached and not sent yet go with the next message, in the new vocabulary."""
-    rt.chat.docs.pending = [Document(d.name, d.block, d.sha256, rt.engine.tokenize(d.block, special=False))
-                            for d in pending]
+    rt.chat.docs.keep([Document(d.name, d.block, d.sha256, rt.engine.tokenize(d.block, special=False))
+                       for d in pending])
 
 
 def _reload(ctl: Session, old: Runtime, conv: Conversation, pending: list[Document]) -> None:
@@ -100,14 +100,14 @@ def _reload(ctl: Session, old: Runtime, conv: Conversation, pending: list[Docume
         raise ChatEnded(f"the chat cannot go on: {old.model.path.name} could not be loaded again ({exc}); "
                         "everything said is saved: resume it with --session or -c") from None
     _carry_tools(old, back)
-    back.chat.docs.pending = pending  # the same vocabulary: their tokens stand
+    back.chat.docs.keep(pending)  # the same vocabulary: their tokens stand
     ctl.bind(back, ctl.prefix_cache is not None)
     if ctl.store is not None and ctl.store.transcript.exists():
         ctl.resume()
         return
     back.chat.adopt(conv)
     ctl.kv.rebuild(conv.window_tokens(), _quiet)
-    back.chat.warm_next_head()
+    back.chat.ahead.warm_next_head()
 
 
 def _quiet(done: int, total: int) -> None:

@@ -1,5 +1,6 @@
-"""The built-in tools, offline and rooted at the working directory: read_file, list_files, search_text
-(read-only), write_file, edit_file, run_command (side effects).
+"""The built-in tools, offline and rooted at the working directory, each registered once (`BUILTIN`, at
+the end): read_file, list_files, search_text, file_info, search_conversations (read-only), write_file,
+edit_file, run_command (side effects).
 
 Nothing runs before the approver says so, except a read-only tool inside the working directory that
 the user approved in advance (`allow_tools`, or "always" earlier in the session). Every call is shown
@@ -20,15 +21,16 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from localchat.arguments import validate
 from localchat.fsutil import atomic_write, walk_files
+from localchat.tools.registry import Registry, Tool
 from localchat.tools.rooted import Place, Root
 
-READ_ONLY = ("read_file", "list_files", "search_text", "search_conversations")
-SIDE_EFFECTS = ("write_file", "edit_file", "run_command")
+BUILTIN = Registry()  # every built-in tool's record (registered below the Toolbox, whose methods run them)
 RESULT_CHARS = 12_000  # a result longer than this is cut (and says so): a small context holds little more
 READ_BYTES = 4 << 20  # a file larger than this is read only in part
 MOST_FILES = 2_000
@@ -37,49 +39,7 @@ MOST_LISTED = 50  # files named where a path given does not exist
 MOST_WORD_HITS = 20  # lines shown where a phrase is found only by its words
 _COMMON = {"the", "and", "for", "with", "that", "this", "from", "are", "was", "what", "which", "when", "where"}
 SHOWN_CHARS = 4_000  # of a file shown where an edit of it cannot apply
-
-
-NAME_CHARS = 256  # a path, glob or pattern longer than this is refused (and a constrained call cannot run on)
-
-
-def _schema(description: str, props: dict[str, tuple[str, str]], required: tuple[str, ...]) -> dict[str, Any]:
-    def prop(key: str, kind: str, words: str) -> dict[str, Any]:
-        bounded = {"maxLength": NAME_CHARS} if key in ("path", "glob", "pattern", "query") else {}
-        return {"type": kind, "description": words, **bounded}
-    return {"type": "function", "function": {"name": "", "description": description, "parameters": {
-        "type": "object", "properties": {k: prop(k, t, d) for k, (t, d) in props.items()},
-        "required": list(required)}}}
-
-
-_SCHEMAS: dict[str, dict[str, Any]] = {
-    "read_file": _schema("Read a text file in the working directory (optionally lines start to end, from 1).",
-                         {"path": ("string", "The file's path."), "start": ("integer", "First line (from 1)."),
-                          "end": ("integer", "Last line.")}, ("path",)),
-    # no example glob in the words: a small model copies it into every call (measured, docs/BENCHMARKS.md)
-    "list_files": _schema("List files in the working directory (hidden and .gitignore'd ones skipped).",
-                          {"glob": ("string", "Only paths matching this glob (default: every file).")}, ()),
-    "search_text": _schema("Search the files in the working directory for a regular expression; gives path:line: "
-                           "text.",
-                           {"pattern": ("string", "A regular expression (Python syntax)."),
-                            "glob": ("string", "Only paths matching this glob (default: every text file).")},
-                           ("pattern",)),
-    "search_conversations": _schema(
-        "Search what the user and you said in earlier chats (every saved session): what the user told you "
-        "before; gives the best matching messages with their session, turn and date.",
-        {"query": ("string", "Words to look for (any of them; the best matches hold most)."),
-         "limit": ("integer", "How many matches (default 5).")}, ("query",)),
-    "write_file": _schema("Write a whole file (created or replaced).",
-                          {"path": ("string", "The file's path."), "content": ("string", "The new content.")},
-                          ("path", "content")),
-    "edit_file": _schema("Replace one exact occurrence of a text in a file.",
-                         {"path": ("string", "The file's path."), "old": ("string", "The text to replace "
-                          "(must occur once)."), "new": ("string", "The replacement.")}, ("path", "old", "new")),
-    "run_command": _schema("Run a shell command in the working directory; gives its output and exit code.",
-                           {"command": ("string", "The command line.")}, ("command",)),
-}
-for _name, _s in _SCHEMAS.items():
-    _s["function"]["name"] = _name
-
+LINES_BYTES = 64 << 20  # file_info counts the lines of a text file up to this size
 
 
 @dataclass(frozen=True)
@@ -116,15 +76,8 @@ class ToolError(Exception):
 
 
 def advance_problem(names: tuple[str, ...]) -> str:
-    """Why these tools cannot be approved in advance ("" when they can): only read-only tools may be;
-    a side effect is shown whole and approved call by call."""
-    for name in names:
-        if name not in _SCHEMAS:
-            return f"allow_tools: there is no built-in tool {name!r} (they are: {', '.join(_SCHEMAS)})"
-        if name in SIDE_EFFECTS:
-            return (f"allow_tools: {name} has side effects: it is approved call by call, never in advance "
-                    f"(tools that may be: {', '.join(READ_ONLY)})")
-    return ""
+    """Why these tools cannot be approved in advance ("" when they can): only read-only tools may be."""
+    return BUILTIN.advance_problem(names)
 
 
 def cap(text: str, most: int = RESULT_CHARS) -> str:
@@ -142,17 +95,17 @@ class Toolbox:
     allowed: set[str] = field(default_factory=set)  # approved in advance (the profile's allow_tools, "always")
     timeout: float = 60.0
     cancelled: Callable[[], bool] | None = None  # Ctrl-C, polled while a command runs
-    offered: tuple[str, ...] = READ_ONLY + SIDE_EFFECTS  # the tools the model is told of
+    offered: tuple[str, ...] = field(default_factory=lambda: BUILTIN.offer())  # the tools the model is told of
     report: Callable[[str], None] | None = None  # a line per call: what ran and how it ended
     ahead: bool = False  # read-only calls that wait for the user are run before (`preview`): someone reads them
-    search: Callable[[str, int], str] | None = None  # past conversations (search_conversations: offered with it)
+    provided: dict[str, Callable[..., str]] = field(default_factory=dict)  # the work of tools done above, by name
 
     def __post_init__(self) -> None:
-        if self.search is None:
-            self.offered = tuple(n for n in self.offered if n != "search_conversations")
+        # a tool whose work the layer above did not hand in is not offered
+        self.offered = tuple(n for n in self.offered if not BUILTIN[n].provided or n in self.provided)
 
     def schemas(self) -> list[dict[str, Any]]:
-        return [_SCHEMAS[name] for name in self.offered]
+        return [BUILTIN[name].schema for name in self.offered]
 
     def refreshed(self) -> bool:
         return False  # the built-in list never changes during a chat
@@ -168,16 +121,24 @@ class Toolbox:
 
     def changes(self, name: str) -> bool:
         """Whether a call of the tool may change what the other tools see (a write, an edit, a command)."""
-        return name not in READ_ONLY
+        tool = BUILTIN.get(name)
+        return tool is None or not tool.read_only
+
+    def resource(self, server: str, uri: str) -> str:
+        raise ValueError("this chat has no MCP servers (--mcp NAME chooses them)")
+
+    @property
+    def hub(self) -> None:
+        return None  # the built-in tools alone: no MCP servers
 
     def preview(self, call: Any) -> Result | None:
         """The result of a read-only call inside the working directory that will wait for the user's
         approval, run before it so the chat can evaluate it while the user reads. None for any other
         call: a side effect, or a path outside, never runs before it is approved."""
         name, args = call.name, call.arguments
-        if not self.ahead or name not in READ_ONLY or name not in self.offered or name in self.allowed:
+        if not self.ahead or name not in self.offered or not BUILTIN[name].read_only or name in self.allowed:
             return None
-        if validate(_SCHEMAS[name], args):
+        if validate(BUILTIN[name].schema, args):
             return None
         try:
             if self._request(name, args).outside:
@@ -189,7 +150,7 @@ class Toolbox:
     def run(self, name: str, arguments: Any, ready: Result | None = None) -> Result:
         if name not in self.offered:
             return Result(f"unknown tool {name!r}; the tools are: {', '.join(self.offered)}", "error")
-        problem = validate(_SCHEMAS[name], arguments)
+        problem = validate(BUILTIN[name].schema, arguments)
         if problem:
             return Result(f"{name}: the arguments do not fit the tool's schema: {problem}", "error")
         try:
@@ -202,13 +163,13 @@ class Toolbox:
             return Result("denied by the user", "denied")
         if decision.arguments is None:
             return ready if ready is not None else self._execute(name, arguments)
-        if problem := validate(_SCHEMAS[name], decision.arguments):
+        if problem := validate(BUILTIN[name].schema, decision.arguments):
             return Result(f"{name}: the edited arguments do not fit the schema: {problem}", "error")
         return self._execute(name, decision.arguments)
 
     def _execute(self, name: str, args: dict[str, Any]) -> Result:
         try:
-            text = cap(getattr(self, f"_{name}")(**args))
+            text = cap(BUILTIN[name].run(self, **args))
         except ToolError as exc:
             return Result(f"{name}: {exc}", "error")
         except OSError as exc:
@@ -226,20 +187,11 @@ class Toolbox:
 
     # ------------------------------------------------------------ what the user sees
     def _request(self, name: str, a: dict[str, Any]) -> Request:
+        tool = BUILTIN[name]
         place = self.root.place(a["path"]) if "path" in a else None
         outside = str(place.path) if place is not None and not place.inside else ""
-        if name == "write_file":
-            assert place is not None
-            shown = _diff(place, _current(place.path), a["content"])
-        elif name == "edit_file":
-            assert place is not None
-            shown = _diff(place, *self._edited(place.path, a["old"], a["new"]))
-        elif name == "run_command":
-            shown = f"$ {a['command']}\n(in {self.root.root})"
-        else:
-            shown = _arguments(a) or "(the whole working directory)"
-        return Request(name, a, shown, name in SIDE_EFFECTS, outside,
-                       may_always=name != "run_command" and not outside)
+        shown = tool.shown(self, a) if tool.shown is not None else _arguments(a) or "(the whole working directory)"
+        return Request(name, a, shown, not tool.read_only, outside, may_always=not tool.per_call and not outside)
 
     @staticmethod
     def _edited(path: Path, old: str, new: str) -> tuple[str, str]:
@@ -361,12 +313,26 @@ class Toolbox:
         atomic_write(p, [after.encode()])
         return f"edited {path}"
 
-    def _search_conversations(self, query: str, limit: int = 5) -> str:
-        assert self.search is not None
-        return self.search(query, max(1, min(limit, 20)))
-
     def _run_command(self, command: str) -> str:
         return run_shell(command, self.root.root, self.timeout, self.cancelled)
+
+    def _file_info(self, path: str) -> str:
+        raw = Path(os.path.expanduser(path or "."))
+        named = raw if raw.is_absolute() else self.root.root / raw  # as written: a symlink is one
+        p = self.root.place(path).path  # where it leads (its approval was asked where that is outside)
+        if not named.is_symlink() and not p.exists():
+            raise ToolError(f"there is no file {path}; the files here: {self._some_files()}")
+        kind = "symlink" if named.is_symlink() else "dir" if p.is_dir() else "file" if p.is_file() else "other"
+        lines = [f"path: {path}", f"kind: {kind}"]
+        if kind == "symlink":
+            target = self.root.relative(p) if p.exists() else f"{os.readlink(named)} (which does not exist)"
+            lines.append(f"target: {target}" + (" (a directory)" if p.is_dir() else ""))
+        st = p.stat() if p.exists() else named.lstat()
+        if p.is_file():
+            lines.append(f"size: {st.st_size} bytes")
+            lines.append(f"lines: {_line_count(p, st.st_size)}")
+        lines.append(f"modified: {datetime.fromtimestamp(st.st_mtime).astimezone().isoformat(timespec='seconds')}")
+        return "\n".join(lines)
 
 
 SHOWN_LINES = 20  # a command's output shown under its call line; the rest is counted
@@ -380,11 +346,23 @@ def call_line(name: str, args: Any, result: Result) -> str:
         reason = (result.text.strip().splitlines() or [""])[0][:300]
         return f"[tool {name}({shown}): {result.status}: {reason}]"
     head = f"[tool {name}({shown}): {result.status}, {len(result.text):,} characters]"
-    if name != "run_command":
+    tool = BUILTIN.get(name)
+    if tool is None or not tool.output_lines:
         return head
     lines = result.text.rstrip("\n").splitlines()
     more = f"\n  ... {len(lines) - SHOWN_LINES} more lines (the model has them all)" if len(lines) > SHOWN_LINES else ""
     return head + "".join(f"\n  | {line[:300]}" for line in lines[:SHOWN_LINES]) + more
+
+
+def _line_count(path: Path, size: int) -> str:
+    """A text file's lines (a last one without its newline counted); why not for a binary or huge file."""
+    if size > LINES_BYTES:
+        return f"not counted (larger than {LINES_BYTES >> 20} MiB)"
+    with open(path, "rb") as f:
+        data = f.read(LINES_BYTES)
+    if b"\0" in data[:8192]:
+        return "none (a binary file)"
+    return str(data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0))
 
 
 def _arguments(args: dict[str, Any]) -> str:
@@ -450,3 +428,53 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+# ------------------------------------------------------------ the registry: each built-in tool, once
+def _write_shown(box: Toolbox, a: dict[str, Any]) -> str:
+    place = box.root.place(a["path"])
+    return _diff(place, _current(place.path), a["content"])
+
+
+def _edit_shown(box: Toolbox, a: dict[str, Any]) -> str:
+    place = box.root.place(a["path"])
+    return _diff(place, *box._edited(place.path, a["old"], a["new"]))
+
+
+def _search_conversations(box: Toolbox, query: str, limit: int = 5) -> str:
+    return box.provided["search_conversations"](query, max(1, min(limit, 20)))
+
+
+BUILTIN.add(Tool("read_file", "Read a text file in the working directory (optionally lines start to end, from 1).",
+                 {"path": ("string", "The file's path."), "start": ("integer", "First line (from 1)."),
+                  "end": ("integer", "Last line.")}, ("path",), Toolbox._read_file, read_only=True))
+# no example glob in the words: a small model copies it into every call (measured, docs/BENCHMARKS.md)
+BUILTIN.add(Tool("list_files", "List files in the working directory (hidden and .gitignore'd ones skipped).",
+                 {"glob": ("string", "Only paths matching this glob (default: every file).")}, (),
+                 Toolbox._list_files, read_only=True))
+BUILTIN.add(Tool("search_text", "Search the files in the working directory for a regular expression; gives path:line: "
+                 "text.", {"pattern": ("string", "A regular expression (Python syntax)."),
+                           "glob": ("string", "Only paths matching this glob (default: every text file).")},
+                 ("pattern",), Toolbox._search_text, read_only=True))
+# not in the default offer: the default tool list (its tokens, what the small model does with it) stays as measured
+BUILTIN.add(Tool("file_info", "A file's or folder's kind (file, dir, symlink), size in bytes, line count and "
+                 "modification time.", {"path": ("string", "The path.")}, ("path",), Toolbox._file_info,
+                 read_only=True, default=False))
+BUILTIN.add(Tool("search_conversations", "Search what the user and you said in earlier chats (every saved session): "
+                 "what the user told you before; gives the best matching messages with their session, turn and date.",
+                 {"query": ("string", "Words to look for (any of them; the best matches hold most)."),
+                  "limit": ("integer", "How many matches (default 5).")}, ("query",), _search_conversations,
+                 read_only=True, provided=True))
+BUILTIN.add(Tool("write_file", "Write a whole file (created or replaced).",
+                 {"path": ("string", "The file's path."), "content": ("string", "The new content.")},
+                 ("path", "content"), Toolbox._write_file, shown=_write_shown))
+BUILTIN.add(Tool("edit_file", "Replace one exact occurrence of a text in a file.",
+                 {"path": ("string", "The file's path."), "old": ("string", "The text to replace (must occur once)."),
+                  "new": ("string", "The replacement.")}, ("path", "old", "new"), Toolbox._edit_file,
+                 shown=_edit_shown))
+BUILTIN.add(Tool("run_command", "Run a shell command in the working directory; gives its output and exit code.",
+                 {"command": ("string", "The command line.")}, ("command",), Toolbox._run_command,
+                 shown=lambda box, a: f"$ {a['command']}\n(in {box.root.root})", per_call=True, output_lines=True))
+
+READ_ONLY = BUILTIN.names(read_only=True, default=True)  # the read-only tools of the default offer
+SIDE_EFFECTS = BUILTIN.names(read_only=False, default=True)

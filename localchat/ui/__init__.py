@@ -1,2 +1,2 @@
-"""The terminal UI and line mode: the scheduler that owns the engine between turns, slash commands, the live view,
+"""The terminal UI and line mode, clients of `host.Host`: slash commands, the live view,
 the status bar, the clipboard."""

@@ -7,12 +7,12 @@ import io
 import json
 import signal
 import sys
-from collections.abc import Callable
 from typing import Any, TextIO
 
+from localchat.chat.request import Request, TurnSink
 from localchat.chat.stats import TurnStats
 from localchat.errors import ChatEnded, LocalchatError, TemplateFailure
-from localchat.session.lifecycle import Session
+from localchat.host.host import Host
 from localchat.trace import TRACE
 from localchat.ui import slash, status
 from localchat.ui.hangup import Ending, Hangup
@@ -43,8 +43,7 @@ class Interrupt:
 NO_ANSWER = -1  # _line's word for a turn whose tool loop ended without an answer: the chat goes on, exit 1
 
 
-def run_lines(ctl: Session, after_turn: Callable[[TurnStats], None],
-              stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
+def run_lines(host: Host, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
               show_reasoning: bool = False) -> int:
     """The chat over lines: the answers on stdout, a reasoning model's thoughts on stderr with
     show_reasoning (else not at all). The exit code: 0; 2 when the model's chat template failed
@@ -66,7 +65,7 @@ def run_lines(ctl: Session, after_turn: Callable[[TurnStats], None],
         try:
             for raw in stdin:
                 busy[0] = True
-                code = _line(ctl, raw.rstrip("\r\n"), after_turn, out, show_reasoning, ending)
+                code = _line(host, raw.rstrip("\r\n"), out, show_reasoning, ending)
                 busy[0] = False
                 failed = failed or code == NO_ANSWER
                 if (code is not None and code != NO_ANSWER) or ending:
@@ -76,8 +75,8 @@ def run_lines(ctl: Session, after_turn: Callable[[TurnStats], None],
     return ending.exit_code or int(failed)
 
 
-def run_once(ctl: Session, message: str, after_turn: Callable[[TurnStats], None], as_json: bool = False,
-             show_reasoning: bool = False, verbose: bool = False) -> int:
+def run_once(host: Host, message: str, as_json: bool = False, show_reasoning: bool = False,
+             verbose: bool = False) -> int:
     """A one-shot prompt: its reply on stdout (with as_json, one object with the reply and the turn's
     stats), nothing else unless verbose. Exit code: 0; 1 when a tool loop ended without an answer (said on
     stderr); 130 after Ctrl-C, 128 + the signal after SIGHUP or SIGTERM (what came is kept and printed); 2
@@ -87,23 +86,24 @@ def run_once(ctl: Session, message: str, after_turn: Callable[[TurnStats], None]
     with Ending() as ending, Interrupt() as interrupted:
         TRACE.begin()
         try:
-            st = ctl.turn(message, out.emit, lambda: interrupted() or bool(ending),
-                          on_thought=out.think if show_reasoning else None)
-            after_turn(st)
+            st = host.turn(Request(message), TurnSink(text=out.emit, cancelled=lambda: interrupted() or bool(ending),
+                                                      thought=out.think if show_reasoning else None))
+            host.after_turn(st)
         except TemplateFailure as exc:
             out.note(f"localchat: {exc}")
             return 2
         TRACE.end()
     out.end_thoughts()
     if as_json:
-        session = ctl.store.name if ctl.store is not None else None
+        store = host.session.store
+        session = store.name if store is not None else None
         sys.stdout.write(json.dumps({"reply": reply.getvalue(), "session": session, "stats": st.to_json(),
                                      "steps": [s.to_json() for s in st.steps]}, ensure_ascii=False) + "\n")
     else:
         out.emit("\n")
     if verbose or st.cut:
         out.note(status.summary_line(st))
-    why = unanswered(ctl, st)
+    why = unanswered(host, st)
     if why:
         out.note(why)
     return ending.exit_code or (130 if interrupted() else 1 if why else 0)
@@ -138,8 +138,7 @@ class _Output:
         self.stderr.flush()
 
 
-def _line(ctl: Session, line: str, after_turn: Callable[[TurnStats], None], out: _Output, show_reasoning: bool,
-          ending: Ending) -> int | None:
+def _line(host: Host, line: str, out: _Output, show_reasoning: bool, ending: Ending) -> int | None:
     """One input line: a turn or a command. An exit code when the chat must end here, else None."""
     if not line.strip():
         return None
@@ -147,10 +146,11 @@ def _line(ctl: Session, line: str, after_turn: Callable[[TurnStats], None], out:
         cancelled = lambda: interrupted() or bool(ending)  # noqa: E731
         try:
             if line.startswith("/"):
-                result = slash.dispatch(slash.CommandContext(ctl, out.emit, cancelled), line)
+                result = slash.dispatch(slash.CommandContext(host, out.emit, cancelled), line)
             else:
                 TRACE.begin()
-                result = ctl.turn(line, out.emit, cancelled, on_thought=out.think if show_reasoning else None)
+                result = host.turn(Request(line), TurnSink(text=out.emit, cancelled=cancelled,
+                                                           thought=out.think if show_reasoning else None))
                 TRACE.end()
         except slash.Quit:
             return 0
@@ -169,25 +169,26 @@ def _line(ctl: Session, line: str, after_turn: Callable[[TurnStats], None], out:
     out.end_thoughts()
     out.emit("\n")
     try:
-        after_turn(result)  # the history's official form is rendered here: the template may fail now
+        host.after_turn(result)  # the history's official form is rendered here: the template may fail now
     except TemplateFailure as exc:
         out.note(f"localchat: {exc}")
         return 2
     out.note(status.summary_line(result))
-    if why := unanswered(ctl, result):
+    if why := unanswered(host, result):
         out.note(why)
         return NO_ANSWER
     return None
 
 
-def unanswered(ctl: Session, st: TurnStats) -> str:
+def unanswered(host: Host, st: TurnStats) -> str:
     """Why a turn that called tools (or opened a call) ended without an answer: its last reply said nothing
     or called ("" when it answered, or called nothing)."""
-    last = ctl.chat.conv.messages[-1] if ctl.chat.conv.messages else None
-    broken = st.extra.get("tool_call_error")  # words before a call that could not run answer nothing
+    messages = host.session.chat.conv.messages
+    last = messages[-1] if messages else None
+    broken = st.tools.tool_call_error  # words before a call that could not run answer nothing
     if not (st.steps or broken) or last is None or last.role != "assistant" or \
             (last.content.strip() and not last.calls and not broken):
         return ""
-    calls = sum(s.extra.get("tool_calls", 0) for s in [*st.steps, st])
-    why = st.extra.get("tool_call_error") or st.stop_reason
+    calls = sum(s.tools.tool_calls or 0 for s in [*st.steps, st])
+    why = st.tools.tool_call_error or st.stop_reason
     return f"localchat: the tool loop ended without an answer after {calls} call{'s' * (calls != 1)} ({why})"

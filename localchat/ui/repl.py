@@ -1,6 +1,6 @@
 """The terminal UI: prompt_toolkit input with history, a live status bar, streamed replies.
 
-The engine belongs to the scheduler's thread (llama.cpp releases the GIL): turns and commands
+The engine belongs to the host's engine thread (llama.cpp releases the GIL): turns and commands
 are handed to it, and while the user reads and types it works ahead (the history's official
 form, the next head, the message being typed, which it follows keystroke by keystroke). During
 a reply a small application shows the reply as it grows, a type-ahead line and the status bar;
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import sys
 import threading
@@ -29,16 +28,16 @@ from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import Output
 from prompt_toolkit.shortcuts import print_formatted_text
 
+from localchat.chat.request import Request, TurnSink
 from localchat.chat.stats import TurnStats
 from localchat.errors import ChatEnded, LocalchatError
+from localchat.host.host import Host
 from localchat.session.lifecycle import Session
 from localchat.trace import TRACE
 from localchat.ui import approval, hangup, slash, status
 from localchat.ui.liveview import STYLE, LiveReply
-from localchat.ui.scheduler import Scheduler
 from localchat.ui.ttymode import keys_unechoed
 
-AfterTurn = Callable[[TurnStats], None]
 Job = Callable[[Callable[[str], None], Callable[[], bool], Callable[[int, int], None]], "slash.Outcome | None"]
 SWITCH_S = 0.0001  # seconds a thread holds the GIL before one waiting for it gets it
 
@@ -65,25 +64,25 @@ def _history(ctl: Session) -> History:
 
 
 class Repl:
-    def __init__(self, ctl: Session, after_turn: AfterTurn, input: Input | None = None,
+    def __init__(self, host: Host, input: Input | None = None,
                  output: Output | None = None, view: status.ViewPrefs | None = None,
                  asking: approval.Asking | None = None):
         # the engine's thread waits for the GIL each time llama.cpp or a read of /proc returns, while this
         # thread draws the live view: Python's default 5 ms hand-over was most of the UI's cost before the
         # first token (bench --typing's trace, H200); 0.1 ms costs the drawing nothing it would notice
         sys.setswitchinterval(SWITCH_S)
-        self.ctl, self.after_turn = ctl, after_turn
+        self.host, self.ctl = host, host.session
         self.asking = asking  # where the tools' approver waits for the user (None: no tools, or none asked)
         self.view = view or status.ViewPrefs()
         self.input, self.output = input, output
-        self.bar = bar_state(ctl)
+        self.bar = bar_state(host.session)
         self.reply = ""  # the last reply's text, as streamed
         self.cancel = threading.Event()
         self.live = LiveReply(self.bar, self._toolbar, rendered=False, show_thoughts=False)
         self.queued: list[str] = []  # sent with Enter while a reply streamed, in order
         self.terminal: TextIO | None = sys.stdout if output is None else None  # /copy writes OSC 52 here
         self.refill = ""  # text a command (/edit) put in the next input line
-        self.scheduler = Scheduler(ctl)
+        self.scheduler = host.start_engine_thread()
         self.ended = False  # the chat could not go on (its model could not be loaded again): exit code 2
         self.ending = 0  # SIGHUP or SIGTERM asked the chat to end: the reply in flight stops, then the loop
         self.session: PromptSession = self._prompt_session()
@@ -99,7 +98,7 @@ class Repl:
             return bool(accept(buffer)) if accept is not None else False
 
         self.session.default_buffer.accept_handler = entered
-        TRACE.mode = "terminal"
+        TRACE.trace_to(None, "terminal")
         if asking is not None:
             asking.cancelled = self.cancel.is_set  # Ctrl-C while asked: denied, and the loop stops
             asking.on_ask = lambda request: self.live.ask(lambda text: self.print(text, "class:info"), request)
@@ -145,7 +144,7 @@ class Repl:
             TRACE.stamp("picked")
             out = job(live.emit, self.cancel.is_set, live.progress)
             if isinstance(out, TurnStats):
-                self.after_turn(out)  # the transcript, before any idle work changes the KV
+                self.host.after_turn(out)  # the transcript, before any idle work changes the KV
             return out
 
         TRACE.stamp("queued")
@@ -161,7 +160,10 @@ class Repl:
             self._early = (line, *self._queue_turn(self._turn_job(line, self.entered), ""))
 
     def _turn_job(self, line: str, entered: float) -> Job:
-        return functools.partial(self.ctl.turn, line, started=entered, on_thought=self._thought_sink)
+        def job(emit: Callable[[str], None], cancelled: Callable[[], bool], progress: Callable[[int, int], None]) \
+                -> TurnStats:
+            return self.host.turn(Request(line, entered), TurnSink(emit, self._thought_sink, progress, cancelled))
+        return job
 
     async def _run_turn(self, job: Job, typeahead: Buffer, line: str = "") -> slash.Outcome | None:
         """Run job on the engine's thread under a live view (the turn sent at Enter, where it is `line`'s);
@@ -288,10 +290,10 @@ class Repl:
         cmd = slash.lookup(line)
         if cmd is not None and cmd.replies:  # streams a reply: run under the live view, like a turn
             out = await self._run_turn(lambda emit, cancelled, progress: slash.dispatch(
-                slash.CommandContext(self.ctl, emit, cancelled, view=self.view), line), typeahead)
+                slash.CommandContext(self.host, emit, cancelled, view=self.view), line), typeahead)
         else:
             out = await asyncio.wrap_future(self.scheduler.call(lambda: slash.dispatch(
-                slash.CommandContext(self.ctl, self.print, self.cancel.is_set, self.terminal, self.view), line),
+                slash.CommandContext(self.host, self.print, self.cancel.is_set, self.terminal, self.view), line),
                 typed=""))
         if isinstance(out, slash.Refill):
             self.refill = out.text
@@ -304,10 +306,9 @@ class Repl:
         return out or ""
 
 
-def run(ctl: Session, after_turn: AfterTurn, view: status.ViewPrefs | None = None,
-        asking: approval.Asking | None = None) -> int:
+def run(host: Host, view: status.ViewPrefs | None = None, asking: approval.Asking | None = None) -> int:
     """The terminal UI until Ctrl-D, /quit, SIGHUP or SIGTERM; the exit code (128 + the signal, or 0)."""
-    repl = Repl(ctl, after_turn, view=view, asking=asking)
+    repl = Repl(host, view=view, asking=asking)
     try:
         with keys_unechoed(sys.stdin) if repl.input is None else contextlib.nullcontext():
             asyncio.run(repl.run_async())

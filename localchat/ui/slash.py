@@ -9,13 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from localchat.chat import attaching, transcript
+from localchat.chat import attaching
+from localchat.chat.request import TurnSink
 from localchat.chat.stats import TurnStats
-from localchat.errors import DocumentError, ModelError
+from localchat.errors import DocumentError
+from localchat.host.host import Host
 from localchat.machine import planview
-from localchat.session import memory, modelswitch, prefixcache, searchindex
-from localchat.session.lifecycle import Session, auto_name
-from localchat.session.sessiondir import SessionDir, list_sessions
+from localchat.session import prefixcache, searchindex
+from localchat.session.sessiondir import list_sessions
 from localchat.settings import SETTING_KEYS
 from localchat.ui import clipboard
 from localchat.ui.status import ViewPrefs
@@ -27,7 +28,7 @@ class Quit(Exception):
 
 @dataclass
 class CommandContext:
-    ctl: Session
+    host: Host
     emit: Callable[[str], None]  # streamed reply text, for /retry
     cancelled: Callable[[], bool]
     terminal: TextIO | None = None  # the user's terminal (/copy writes its clipboard sequence there)
@@ -57,16 +58,13 @@ def _help(ctx: CommandContext, arg: str) -> str:
 
 
 def _new(ctx: CommandContext, arg: str) -> str:
-    ctx.ctl.switch_to(SessionDir(auto_name()), new=True)
-    return f"new chat (session '{ctx.ctl.store.name}')" if ctx.ctl.store else "new chat"
+    name = ctx.host.new_session()
+    return f"new chat (session '{name}')" if name else "new chat"
 
 
 def _save(ctx: CommandContext, arg: str) -> str:
-    ctl = ctx.ctl
-    if arg.strip():
-        ctl.save_as(arg.strip())
-    took = ctl.save()
-    ctl.writer.wait()
+    took = ctx.host.save(arg.strip())
+    ctl = ctx.host.session
     return f"saved session '{ctl.store.name}' (KV copied in {took * 1000:.0f} ms; {ctl.save_status})" if ctl.store \
         else "nothing saved: started with --no-session"
 
@@ -74,14 +72,13 @@ def _save(ctx: CommandContext, arg: str) -> str:
 def _load(ctx: CommandContext, arg: str) -> str:
     if not arg.strip():
         return "usage: /load NAME (see /sessions)"
-    ctx.ctl.switch_to(SessionDir(arg.strip()), new=False)
-    return ctx.ctl.restore_note or f"loaded '{arg.strip()}'"
+    return ctx.host.load(arg.strip())
 
 
 def _model(ctx: CommandContext, arg: str) -> str:
     if not arg.strip():
-        return modelswitch.listing(ctx.ctl)
-    return modelswitch.switch_model(ctx.ctl, arg.strip())
+        return ctx.host.models()
+    return ctx.host.switch_model(arg.strip())
 
 
 def _sessions(ctx: CommandContext, arg: str) -> str:
@@ -94,30 +91,27 @@ def _sessions(ctx: CommandContext, arg: str) -> str:
 
 
 def _system(ctx: CommandContext, arg: str) -> str:
-    chat = ctx.ctl.chat
     if not arg.strip():
-        return f"system prompt: {chat.conv.system or '(the template default)'}"
-    chat.set_system(arg.strip())
+        return f"system prompt: {ctx.host.session.chat.conv.system or '(the template default)'}"
+    ctx.host.set_system(arg.strip())
     return "system prompt set; the next turn recomputes the window once"
 
 
 def _undo(ctx: CommandContext, arg: str) -> str:
-    chat = ctx.ctl.chat
-    if not chat.conv.turns:
+    kept = ctx.host.undo()
+    if kept is None:
         return "nothing to undo"
-    kept = chat.undo()
-    ctx.ctl.flush_events()
     return "last exchange dropped; KV rewound, nothing recomputed" if kept else \
         "last exchange dropped; the sliding window cannot rewind: the next turn recomputes"
 
 
 def _retry(ctx: CommandContext, arg: str) -> Outcome:
-    st = ctx.ctl.retry(ctx.emit, ctx.cancelled)
+    st = ctx.host.retry(TurnSink(text=ctx.emit, cancelled=ctx.cancelled))
     return "nothing to retry" if st is None else st
 
 
 def _stats(ctx: CommandContext, arg: str) -> str:
-    hist = ctx.ctl.chat.turn_stats
+    hist = ctx.host.session.chat.turn_stats
     if not hist:
         return "no turns yet"
     lines = [" turn  prompt  cached  recomp   new  reply   TTFT s   tok/s  shifted  ahead  wasted  canon  note"]
@@ -125,19 +119,19 @@ def _stats(ctx: CommandContext, arg: str) -> str:
         note = st.miss_cause + (f" (first difference at token {st.first_diff})" if st.cache_miss and
                                 st.first_diff >= 0 else "")
         note = note or ("KV restored" if st.kv_restored else "")
-        x = st.extra
+        x = st.ahead
         lines.append(f" {st.turn:>4} {st.prompt_tokens:>7} {st.cached_tokens:>7} {st.recomputed_tokens:>7} "
                      f"{st.new_tokens:>5} {st.reply_tokens:>6} {st.ttft_s:>8.3f} {st.decode_tps:>7.1f} "
-                     f"{st.shifted_tokens:>8} {x.get('read_ahead_tokens', 0):>6} "
-                     f"{x.get('discarded_ahead_tokens', 0):>7} {x.get('canonicalized_tokens', 0):>6}  {note}")
-    conv = ctx.ctl.chat.conv
+                     f"{st.shifted_tokens:>8} {x.read_ahead_tokens or 0:>6} "
+                     f"{x.discarded_ahead_tokens or 0:>7} {x.canonicalized_tokens or 0:>6}  {note}")
+    conv = ctx.host.session.chat.conv
     lines.append(f" window: {conv.turns - conv.turns_left_window} of {conv.turns} turns; "
                  f"{conv.turns_left_window} turns ({conv.tokens_left_window} tokens) left the window")
     return "\n".join(lines)
 
 
 def _cache(ctx: CommandContext, arg: str) -> str:
-    ctl = ctx.ctl
+    ctl = ctx.host.session
     e, per_tok = ctl.rt.engine, ctl.rt.kv_bytes_per_token
     lines = [f"KV holds {e.n_kv} tokens of {e.n_ctx} ({e.n_kv * per_tok / (1 << 20):.1f} MiB at "
              f"{per_tok:,} bytes/token, {e.config.type_k}/{e.config.type_v}); {len(e.tokens) - e.n_kv} pending"]
@@ -156,11 +150,12 @@ def _attach(ctx: CommandContext, arg: str) -> str:
         specs = shlex.split(arg)
     except ValueError as exc:
         return f"/attach: {exc}"
-    return "\n".join(attaching.add(ctx.ctl.chat, specs))
+    return "\n".join(ctx.host.attach(specs))
 
 
 def _mcp(ctx: CommandContext, arg: str) -> str:
-    hub = getattr(ctx.ctl.chat.runner, "hub", None)
+    runner = ctx.host.session.chat.tooling.runner
+    hub = runner.hub if runner is not None else None
     if hub is None:
         return "this chat has no MCP servers (--mcp NAME, or the profile's mcp key, with $LOCALCHAT_HOME/mcp.json)"
     words = arg.split()
@@ -175,18 +170,10 @@ def _mcp(ctx: CommandContext, arg: str) -> str:
                      f"({s.spec.transport}: {s.spec.where()})" for name, s in hub.servers.items())
 
 
-def _matches(ctx: CommandContext, words: str, most: int) -> tuple[list[searchindex.Hit], str]:
-    """(the best matches over every saved session, a line to tell first or why there are none)."""
-    try:
-        return memory.matches(words, most, ctx.ctl.rt.embedding)
-    except (*searchindex.FAILURES, ModelError) as exc:
-        return [], f"the conversations cannot be searched: {exc}"
-
-
 def _search(ctx: CommandContext, arg: str) -> str:
     if not arg.strip():
         return "usage: /search WORDS (every saved session; localchat search has the filters)"
-    hits, notice = _matches(ctx, arg, 8)
+    hits, notice = ctx.host.search(arg, 8)
     lines = ([notice] if notice else []) + searchindex.hit_lines(hits)
     return "\n".join(lines) if hits else "\n".join([*lines, f"no past message matches {arg.strip()!r}"])
 
@@ -194,32 +181,26 @@ def _search(ctx: CommandContext, arg: str) -> str:
 def _recall(ctx: CommandContext, arg: str) -> str:
     if not arg.strip():
         return "usage: /recall WORDS (the best matches go with your next message, for models without tools)"
-    hits, notice = _matches(ctx, arg, 5)
-    if not hits:
-        return "\n".join([*([notice] if notice else []), f"no past message matches {arg.strip()!r}; nothing attached"])
     try:
-        return "\n".join(attaching.add_text(ctx.ctl.chat, f"recall: {arg.strip()}", searchindex.recalled(hits)))
+        attached, notice = ctx.host.recall(arg, 5)
     except DocumentError as exc:
         return f"/recall: {exc}"
+    if not attached:
+        return "\n".join([*([notice] if notice else []), f"no past message matches {arg.strip()!r}; nothing attached"])
+    return "\n".join(attached)
 
 
 def _docs(ctx: CommandContext, arg: str) -> str:
     if arg.strip() == "clear":
-        chat = ctx.ctl.chat
-        n = len(chat.docs.pending)
-        chat.docs.pending.clear()
-        if ctx.ctl.prefix_cache is not None:
-            ctx.ctl.prefix_cache.forget_loaded()
-        chat.ahead.invalidate()
-        return f"{n} pending documents dropped"
-    return attaching.listing(ctx.ctl.chat)
+        return f"{ctx.host.clear_documents()} pending documents dropped"
+    return attaching.listing(ctx.host.session.chat)
 
 
 def _profile(ctx: CommandContext, arg: str) -> str:
-    p = ctx.ctl.rt.profile
+    rt = ctx.host.session.rt
+    p = rt.profile
     shown = [k for k in SETTING_KEYS if k not in ("model", "system")]  # the plan names the model
     head = [f"profile {p.name} ({p.source})", "  " + ", ".join(f"{k}={getattr(p, k)}" for k in shown)]
-    rt = ctx.ctl.rt
     decode, batch = rt.engine.threads
     why = f" ({rt.threads_why})" if rt.threads_why else ""
     threads = f"  threads: {decode} per token, {batch} per prompt batch{why}"
@@ -227,15 +208,13 @@ def _profile(ctx: CommandContext, arg: str) -> str:
 
 
 def _pin(ctx: CommandContext, arg: str) -> str:
-    chat = ctx.ctl.chat
-    if not chat.conv.pin_last():
+    if not ctx.host.pin():
         return "nothing to pin"
-    chat.events.append(transcript.pin())
     return "last exchange pinned: it stays in the window when the context fills"
 
 
 def _copy(ctx: CommandContext, arg: str) -> str:
-    replies = [m for m in ctx.ctl.chat.conv.messages if m.role == "assistant" and m.content]
+    replies = [m for m in ctx.host.session.chat.conv.messages if m.role == "assistant" and m.content]
     if not replies:
         return "nothing to copy yet"
     text, what = replies[-1].content, "the last reply"
@@ -263,7 +242,7 @@ def _edit(ctx: CommandContext, arg: str) -> Outcome:
 
 
 def _think(ctx: CommandContext, arg: str) -> str:
-    chat, word = ctx.ctl.chat, arg.strip().lower()
+    chat, word = ctx.host.session.chat, arg.strip().lower()
     if word in ("show", "hide"):
         ctx.view.show_thoughts = word == "show"
         return f"thoughts {'shown' if ctx.view.show_thoughts else 'folded to one line'} (Ctrl-T during a reply)"
@@ -272,9 +251,7 @@ def _think(ctx: CommandContext, arg: str) -> str:
         state = f"{switch}: {chat.fmt.options.get(switch, 'the default')}" if switch else "no switch in its template"
         shown = "shown" if ctx.view.show_thoughts else "folded"
         return f"reasoning format: {chat.reasoning_style or 'none'}; {state}; thoughts {shown}"
-    said = chat.fmt.set_thinking(word)
-    chat.ahead.invalidate()  # the next turn's prompt follows the switch
-    return said
+    return ctx.host.set_thinking(word)
 
 
 def _raw(ctx: CommandContext, arg: str) -> str:

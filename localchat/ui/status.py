@@ -65,19 +65,19 @@ def cut_words(st: TurnStats) -> str:
 def _reply_parts(st: TurnStats) -> list[str]:
     """What the reply was made of, where it tells something: thoughts apart, drafts verified."""
     parts = []
-    if st.extra.get("reasoning_tokens"):
-        parts.append(f"thought {st.extra['reasoning_tokens']} of {st.reply_tokens} tokens")
-    if st.extra.get("draft_tokens"):
-        parts.append(f"drafts {100 * st.extra['accepted_tokens'] / st.extra['draft_tokens']:.0f}% accepted")
+    if st.decode.reasoning_tokens:
+        parts.append(f"thought {st.decode.reasoning_tokens} of {st.reply_tokens} tokens")
+    if st.drafts.draft_tokens:
+        parts.append(f"drafts {100 * (st.drafts.accepted_tokens or 0) / st.drafts.draft_tokens:.0f}% accepted")
     steps = [*st.steps, st]
-    calls = sum(s.extra.get("tool_calls", 0) for s in steps)
+    calls = sum(s.tools.tool_calls or 0 for s in steps)
     if calls:
-        results = sum(s.extra.get("tool_result_tokens", 0) for s in steps)
-        ahead = sum(s.extra.get("prefetched_tokens", 0) for s in steps)
+        results = sum(s.tools.tool_result_tokens or 0 for s in steps)
+        ahead = sum(s.tools.prefetched_tokens or 0 for s in steps)
         parts.append(f"{calls} tool call{'s' * (calls > 1)}, results {results} tok"
                      + (f" ({ahead} read while asked)" if ahead else ""))
-    if st.extra.get("tool_call_error"):
-        parts.append(f"no call ran: {st.extra['tool_call_error']}")
+    if st.tools.tool_call_error:
+        parts.append(f"no call ran: {st.tools.tool_call_error}")
     return parts
 
 
@@ -93,7 +93,7 @@ def turn_speed(st: TurnStats) -> tuple[float, float]:
 
 def _stored(st: TurnStats) -> list[str]:
     """Where the cached tokens came from, when the prefix store gave them (a document read before)."""
-    n = st.extra.get("prefix_store_tokens", 0)
+    n = st.prefix.prefix_store_tokens or 0
     return [f"{n} from the prefix store"] if n else []
 
 
@@ -109,8 +109,8 @@ def summary_line(st: TurnStats) -> str:
         parts.append("KV restored")
     if st.cut:
         parts.append(f"cut ({st.stop_reason})")
-    if st.extra.get("loop_end") in LOOP_END_WORDS:
-        parts.append(LOOP_END_WORDS[st.extra["loop_end"]])
+    if st.tools.loop_end in LOOP_END_WORDS:
+        parts.append(LOOP_END_WORDS[st.tools.loop_end])
     if st.miss_cause:
         parts.append(f"MISS: {st.miss_cause}")
     return " | ".join(parts)
