@@ -333,11 +333,11 @@ class Chat:
         self.engine.truncate(keep)
         return kept
 
-    def retry(self, inputs: TurnInputs | None = None, sink: TurnSink = QUIET) -> TurnStats | None:
+    def retry(self, inputs: TurnInputs = NO_INPUTS, sink: TurnSink = QUIET) -> TurnStats | None:
         """The last exchange again, as a new turn (None when there is none)."""
         if not self.conv.turns:
             return None
-        return self.turn(Request(self._drop_last(), inputs=inputs or NO_INPUTS), sink)
+        return self.turn(Request(self._drop_last(), inputs=inputs), sink)
 
     def new(self) -> None:
         """Start over; the KV keeps the shared system prefix for the next turn to reuse."""
