@@ -12,7 +12,7 @@ from localchat import __version__
 from localchat.errors import LocalchatError, UsageError
 from localchat.options import overrides, profile_args, setting_args
 
-SUBCOMMANDS = ("chat", "models", "plan", "sessions", "search", "bench", "profiles", "cache", "mcp", "doctor",
+SUBCOMMANDS = ("chat", "models", "plan", "sessions", "search", "serve", "bench", "profiles", "cache", "mcp", "doctor",
                "completions")
 COMPLETE = "__complete"  # what the shells' completion scripts call back; no command a user types, not in help
 
@@ -31,8 +31,8 @@ def _command_like(word: str) -> str:
 def chat_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat", description="Chat with a local GGUF model; the KV cache "
                                 "lives across turns and across runs.",
-                                epilog="subcommands: localchat {models,plan,doctor,profiles,sessions,search,cache,"
-                                       "mcp,completions,bench} --help")
+                                epilog="subcommands: localchat {models,plan,doctor,profiles,sessions,search,serve,"
+                                       "cache,mcp,completions,bench} --help")
     p.add_argument("--version", action="version", version=f"localchat {__version__}")
     profile_args(p)
     setting_args(p, chat=True)

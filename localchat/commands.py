@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from localchat import completion
 from localchat.errors import ModelError, ProfileError, SessionError
-from localchat.options import overrides, print_json, profile_args
+from localchat.options import overrides, print_json, profile_args, setting_args
 from localchat.settings import settings_table
 
 if TYPE_CHECKING:
@@ -419,6 +419,29 @@ def cmd_bench(argv: Sequence[str]) -> int:
     return command.main(argv)
 
 
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="localchat serve", description="Serve the profile's model to other programs "
+                                "through OpenAI's and Anthropic's APIs; each conversation's KV is kept, across "
+                                "requests and restarts, as a session.")
+    profile_args(p)
+    setting_args(p, chat=True)  # the sampling a request leaves to the server
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only; another "
+                   "one needs --api-key)")
+    p.add_argument("--port", type=int, default=8080, help="the port (default: 8080)")
+    p.add_argument("--api-key", default="", metavar="KEY", help="the key every request must bring (Authorization: "
+                   "Bearer KEY, or x-api-key: KEY)")
+    return p
+
+
+def cmd_serve(argv: Sequence[str]) -> int:
+    from localchat import runtime, serve
+    args = serve_parser().parse_args(argv)
+    serve.check_address(args.host, args.api_key)
+    profile = runtime.load_profile(args.profile, overrides(args))
+    return serve.run(profile, args.host, args.port, args.api_key, _report, verbose=args.verbose,
+                     explicit_ctx=args.n_ctx is not None)
+
+
 def mcp_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat mcp")
     p.add_argument("action", choices=("list", "check"))
@@ -495,11 +518,12 @@ def cmd_completions(argv: Sequence[str]) -> int:
 # built in modules that load llama_cpp as they are imported: those two complete by name only
 PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "models": models_parser, "plan": plan_parser, "sessions": sessions_parser, "search": search_parser,
-    "cache": cache_parser, "profiles": profiles_parser, "mcp": mcp_parser, "completions": completions_parser}
+    "cache": cache_parser, "profiles": profiles_parser, "mcp": mcp_parser, "completions": completions_parser,
+    "serve": serve_parser}
 
 
 def run(name: str, argv: Sequence[str]) -> int:
     return {"doctor": cmd_doctor, "models": cmd_models, "plan": cmd_plan, "sessions": cmd_sessions, "bench": cmd_bench,
             "profiles": cmd_profiles, "cache": cmd_cache, "mcp": cmd_mcp, "search": cmd_search,
-            "completions": cmd_completions}[name](argv)
+            "completions": cmd_completions, "serve": cmd_serve}[name](argv)
 

@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"session"},
     {"host"},
-    {"ui"},
+    {"ui", "serve"},
     {"app", "options", "doctor", "completion"},
     {"bench"},
     {"commands"},

@@ -14,14 +14,21 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
-from localchat.session.lifecycle import Session
+
+class IdleWork(Protocol):
+    """What the engine's thread does between requests (a terminal's session, a server's conversations)."""
+
+    def idle_step(self) -> bool: ...  # one small piece; False when there is none left
+    def due_in(self) -> float | None: ...  # seconds until work falls due later (None: none)
+    def set_typed(self, text: str) -> None: ...  # the input line, for the work read ahead
 
 
 class Scheduler:
-    def __init__(self, ctl: Session):
+    def __init__(self, ctl: IdleWork):
         self.ctl = ctl
+        self._running = 0  # requests in flight (0 or 1)
         self._cond = threading.Condition()
         self._requests: deque[tuple[Callable[[], Any], Future]] = deque()
         self._typed = ""
@@ -45,6 +52,11 @@ class Scheduler:
             self._quiet.clear()
             self._cond.notify()
         return future
+
+    def queued(self) -> int:
+        """Requests waiting or running now."""
+        with self._cond:
+            return len(self._requests) + self._running
 
     @property
     def idle_error(self) -> Exception | None:
@@ -80,7 +92,7 @@ class Scheduler:
         while True:
             with self._cond:
                 while not self._requests and not self._wake and not self._stop:
-                    due = self.ctl.chat.ahead.due_in()  # work that falls due later (the message as if sent)
+                    due = self.ctl.due_in()  # work that falls due later (the message as if sent)
                     if due is None:
                         self._quiet.set()
                     if not self._cond.wait(due) and due is not None:
@@ -91,6 +103,7 @@ class Scheduler:
                 request = self._requests.popleft() if self._requests else None
                 if request is None:
                     self._wake = False
+                self._running = int(request is not None)
             if request is not None:
                 self._serve(*request)
             elif self._idle_error is None:
@@ -103,16 +116,15 @@ class Scheduler:
             future.set_exception(exc)
         with self._cond:
             self._idle_error = None  # the conversation changed: the idle work starts afresh
-            self._wake = True
+            self._wake, self._running = True, 0
 
     def _idle(self) -> None:
-        ahead = self.ctl.chat.ahead
         try:
             while True:
                 with self._cond:
                     if self._requests or self._stop:
                         return
-                    ahead.set_typed(self._typed)
+                    self.ctl.set_typed(self._typed)
                 if not self.ctl.idle_step():
                     return
         except Exception as exc:  # e.g. the template fails on the longer history: said at the next turn

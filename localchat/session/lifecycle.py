@@ -234,6 +234,13 @@ class Session:
         self._set_status("deferred")
         return False
 
+    def due_in(self) -> float | None:
+        """Seconds until idle work falls due (the message being typed, as if sent); None: none."""
+        return self.chat.ahead.due_in()
+
+    def set_typed(self, text: str) -> None:
+        self.chat.ahead.set_typed(text)
+
     def idle_step(self) -> bool:
         """One small piece of idle work, most urgent first: the history in its official form and the
         next head; attached documents (from the prefix store, or evaluated and stored); the autosave

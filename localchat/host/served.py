@@ -1,0 +1,404 @@
+"""The conversations other programs hold with the model (`localchat serve`), each kept as a session.
+
+A request brings its whole history. Its prompt (asks.Prompts: the official form, tokenized as the chat
+tokenizes) is evaluated from the longest token prefix any kept conversation holds: the one in the KV now, a
+copy kept in memory, or a state saved on disk (checked before llama.cpp sees it), so a client re-sending its
+history evaluates only what is new, and one that edits an early message pays from there on. Between requests
+the KV is brought to what the next request will start with (the reply as the template writes it back, the
+next message's header), and the conversation's state is saved, so a restarted server resumes it too.
+
+A request continues the kept conversation whose messages open its own (a client's next turn); any other is
+a new conversation (a new client, or one that edited an earlier message: a fork, whose KV is shared up to
+the edit). No tool runs here: calls go back to the client.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import psutil
+
+from localchat.chat import replystream, transcript
+from localchat.chat.conversation import Message
+from localchat.chat.official import raw_reply
+from localchat.chat.request import TurnSink
+from localchat.chat.tools import Repeated
+from localchat.chatformat import reasoning
+from localchat.chatformat.loosecalls import NO_CALL_OPENINGS
+from localchat.chatformat.toolcalls import ToolCall, ToolFormat, after_thoughts
+from localchat.chatformat.toolgrammar import NO_CALL, loose_grammar
+from localchat.engine import Generation, SamplingConfig, prime_sampler
+from localchat.errors import RequestError
+from localchat.fsutil import atomic_write
+from localchat.host.asks import Answer, Ask, Prompts, check_messages, normalised, reply_message, schema_grammar
+from localchat.session import statefile
+from localchat.session.kvdisk import check_state
+from localchat.session.lifecycle import Session
+from localchat.session.memory import Indexer
+from localchat.session.sessiondir import SessionDir, list_sessions
+from localchat.session.statefile import StateRejected
+
+log = logging.getLogger("localchat.serve")
+
+NAME_PREFIX = "served-"
+SERVED_FILE = "served.json"  # the messages as the client sent them (and its origin): how its next request is known
+MIN_GAIN = 32  # tokens a load must save over what the KV holds to be worth a copy in or out
+RAM_COPIES = 4  # conversations kept in memory beside the one in the KV
+SAMPLERS = 16  # sampler chains kept for reuse (a grammar's is costly to make)
+DEBRIS = ("{", "[", "```", "```json")  # all a small model wrote before its call at times: no words of its own
+
+
+@dataclass
+class Kept:
+    store: SessionDir
+    messages: list[dict[str, Any]]  # as the client will send them back: the last reply included
+    tools: list[dict[str, Any]]
+    tokens: list[int]  # what its KV holds: in the engine, in `copy`, or in the state on disk
+    copy: memoryview | None = None  # its state in memory, while it is not in the engine
+    on_disk: list[int] = field(default_factory=list)  # the tokens of its state on disk
+    written: int = 0  # messages in its transcript
+    origin: str = ""  # the conversation it was forked from
+    used: float = field(default_factory=time.time)
+
+
+class Served:
+    def __init__(self, session: Session):
+        self.session, self.rt = session, session.rt
+        self.engine, self.fmt, self.kv = self.rt.engine, self.rt.chat.fmt, session.kv
+        self.prompts = Prompts(self.fmt, lambda text, special, bos: self.engine.tokenize(text, special, bos),
+                               self.engine.special_text("bos"))
+        self.calls = ToolFormat(self.fmt)
+        self.style = reasoning.detect(self.fmt.source)
+        self.kept: list[Kept] = []
+        self.live: Kept | None = None  # the conversation the KV holds
+        self._target: list[int] = []  # what the idle work brings the KV to (the next request's start)
+        self._dirty = False  # the live conversation's KV is not on disk yet
+        self._settled = True  # the idle work is done: the KV holds the next request's start, and is saved
+        self._samplers: dict[str, object] = {}
+        self.indexer: Indexer | None = None
+        self.requests = 0
+        self._load_kept()
+
+    # ------------------------------------------------------------ the kept conversations
+    def _load_kept(self) -> None:
+        """The served sessions on disk whose state this model and these KV settings can load."""
+        for store in list_sessions():
+            if not store.name.startswith(NAME_PREFIX):
+                continue
+            try:
+                saved = json.loads((store.dir / SERVED_FILE).read_text())
+                header, _ = statefile.read_header(store.state) if store.state.exists() else (None, 0)
+                on_disk = header.tokens if header is not None and header.kv_settings == self.kv.settings else []
+                self.kept.append(Kept(store, saved["messages"], saved.get("tools", []), list(on_disk),
+                                      on_disk=list(on_disk), written=len(saved["messages"]),
+                                      origin=saved.get("origin", ""), used=store.dir.stat().st_mtime))
+            except (OSError, ValueError, KeyError, TypeError, StateRejected):
+                continue  # a damaged session is not served from; `sessions verify` says why
+
+    def _owner(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Kept | None:
+        """The conversation this request continues: the longest whose messages open it, with the same tools."""
+        best: Kept | None = None
+        for k in self.kept:
+            n = len(k.messages)
+            if n < len(messages) and k.tools == tools and k.messages == messages[:n] and \
+                    (best is None or n > len(best.messages)):
+                best = k
+        return best
+
+    def _source(self, prompt: list[int]) -> tuple[Kept | None, int]:
+        """Where the prompt's longest prefix is held: (a conversation not in the KV, or None for the KV itself; its
+        length)."""
+        here = self.engine.common_prefix(prompt)
+        best, best_len = None, here + MIN_GAIN
+        for k in self.kept:
+            if k is self.live or not (k.copy is not None or k.on_disk):
+                continue
+            n = _common(k.tokens if k.copy is not None else k.on_disk, prompt)
+            if n > best_len:
+                best, best_len = k, n
+        return best, (best_len if best is not None else here)
+
+    def _bring(self, k: Kept) -> int:
+        """Load k's KV into the engine (the live one kept aside first); tokens loaded from disk (0 from memory)."""
+        self._set_aside()
+        if k.copy is not None:
+            if self.engine.load_state(k.copy, k.tokens):
+                k.copy, self.live = None, k
+                return 0
+            k.copy = None
+        try:
+            header, offset = statefile.read_header(k.store.state)
+            check_state(header, k.on_disk, self.kv.hasher.value, self.kv.settings)
+            if not self.kv.load(k.store.state, header, offset, header.tokens):
+                raise StateRejected("llama.cpp refused the state data")
+        except (OSError, StateRejected) as why:
+            log.warning("%s: saved KV not used: %s", k.store.name, why)
+            k.on_disk = []
+            self.engine.clear()
+            return 0
+        k.tokens, self.live = list(header.tokens), k
+        return len(header.tokens)
+
+    def _set_aside(self) -> None:
+        """The live conversation leaves the KV: a copy kept in memory (the oldest copies dropped), its state
+        saved first where the disk does not hold it yet."""
+        k = self.live
+        if k is None or self.engine.n_kv == 0:
+            return
+        if self._dirty:
+            self._save()
+        view = self.engine.state_bytes()
+        owned = self.engine.staging is not None and self.engine.staging.owns(view)
+        k.copy, k.tokens = (memoryview(bytearray(view)) if owned else view), self.engine.tokens[:self.engine.n_kv]
+        if owned:
+            self.engine.state_done(view)
+        budget, count = psutil.virtual_memory().available // 4, 0  # copies leave most of the free memory free
+        for other in sorted((c for c in self.kept if c.copy is not None), key=lambda c: c.used, reverse=True):
+            assert other.copy is not None
+            if count >= RAM_COPIES or other.copy.nbytes > budget:
+                other.copy = None
+            else:
+                budget, count = budget - other.copy.nbytes, count + 1
+        self.live = None
+
+    # ------------------------------------------------------------ a request
+    def complete(self, ask: Ask, sink: TurnSink) -> Answer:
+        """Answer one request: its prompt evaluated from the longest prefix kept, then the reply."""
+        messages = normalised(ask.messages)
+        check_messages(messages)
+        self.requests += 1
+        prompt = self.prompts.prompt(messages, ask.tools)
+        room = self.engine.n_ctx - len(prompt)
+        if room < 1:
+            raise RequestError(f"the prompt ({len(prompt)} tokens) does not fit the context ({self.engine.n_ctx} "
+                               "tokens): shorten the conversation or start the server with a larger --ctx")
+        owner = self._owner(messages, ask.tools)
+        source, _ = self._source(prompt)
+        if self.live is not None and self.live is not owner:
+            self._set_aside()  # the KV moves on from the conversation it holds: kept in memory and on disk
+        loaded = self._bring(source) if source is not None else 0
+        done = self.engine.prefill(prompt, cancelled=sink.cancelled)
+        answer = self._reply(ask, min(ask.max_tokens or room, room), sink)
+        if answer.calls and _repeats(answer, messages):
+            answer = self._answer_instead(ask, messages, answer, sink)
+        answer.prompt_tokens, answer.cached_tokens = len(prompt), done.cached
+        answer.loaded_tokens = min(loaded, done.cached)
+        k = self._keep(owner, messages, ask.tools, answer)
+        answer.conversation = k.store.name
+        log.info("request %d (%s): %d prompt tokens, %d cached (%d from disk), %d evaluated, %d generated",
+                 self.requests, k.store.name, answer.prompt_tokens, answer.cached_tokens, answer.loaded_tokens,
+                 answer.evaluated, answer.completion_tokens)
+        return answer
+
+    def count(self, ask: Ask) -> int:
+        """The tokens of a request's prompt."""
+        messages = normalised(ask.messages)
+        check_messages(messages)
+        return len(self.prompts.prompt(messages, ask.tools))
+
+    def _answer_instead(self, ask: Ask, messages: list[dict[str, Any]], repeat: Answer, sink: TurnSink) -> Answer:
+        """The reply repeats the calls just answered: not handed back (a small model calls again and again), the
+        model told so after the last result, as the terminal chat tells it, and its answer drawn instead."""
+        log.info("request %d: %s repeats the call just answered; the model is told so and answers",
+                 self.requests, repeat.calls[0].name)
+        told = Repeated(repeat.calls[0].name, last=True).text
+        last = messages[-1]
+        guarded = [*messages[:-1], {**last, "content": f"{last['content']}\n\n{told}"}]
+        prompt = self.prompts.prompt(guarded, ask.tools)
+        room = self.engine.n_ctx - len(prompt)
+        if room < 1:
+            return repeat
+        self.engine.prefill(prompt, cancelled=sink.cancelled)
+        answer = self._reply(replace(ask, tool_choice="none"), min(ask.max_tokens or room, room), sink)
+        answer.completion_tokens += repeat.completion_tokens
+        return answer
+
+    def _reply(self, ask: Ask, most: int, sink: TurnSink) -> Answer:
+        sampler, held = self._sampler(ask)
+        prime_sampler(sampler, self._sampling(ask), self.engine.tokens)
+        gen = Generation(tokens=[])
+        opts = replystream.ReplyOptions(
+            max_tokens=most, style=self.style, opened=bool(self.style) and self.fmt.opens_thoughts,
+            stops=(*self.fmt.stop_strings, *ask.stop), cancelled=sink.cancelled, on_text=sink.text,
+            on_thought=sink.thought, hold=self.calls.trigger if held else "",
+            tools=tuple(t["function"]["name"] for t in ask.tools) if held else ())
+        reply = replystream.stream(self.engine, sampler, gen, opts)
+        answer = Answer(text=reply.answer, thought=reply.thought, completion_tokens=len(gen.tokens))
+        if held:
+            found = self.calls.find(raw_reply(self.engine, gen.tokens), ask.tools)
+            calls = found.calls if self.calls.multiple else found.calls[:1]
+            if calls:
+                answer.text = found.content[after_thoughts(found.content) if self.style else 0:].strip()
+                answer.calls = [c if c.id else _with_id(c) for c in calls]
+                if answer.text in DEBRIS:
+                    answer.text = ""
+        answer.finish = "tool_calls" if answer.calls else {"max_tokens": "length", "cancelled": "cancelled"}.get(
+            gen.stop_reason, "stop")
+        if answer.text and not answer.calls:
+            self.prompts.sampled[answer.text] = _body(self.engine, gen.tokens)
+        return answer
+
+    def _sampling(self, ask: Ask) -> SamplingConfig:
+        s = self.rt.chat.settings.sampling
+        changes = {k: v for k, v in (("temperature", ask.temperature), ("top_p", ask.top_p), ("top_k", ask.top_k),
+                                     ("seed", ask.seed)) if v is not None}
+        return SamplingConfig(**{**s.__dict__, **changes})
+
+    def _sampler(self, ask: Ask) -> tuple[object, bool]:
+        """The reply's sampler (kept for the next request alike) and whether calls are held to a grammar."""
+        s = self._sampling(ask)
+        tools = ask.tools if ask.tool_choice != "none" else []
+        key = json.dumps([s.__dict__, tools, ask.tool_choice, ask.schema], sort_keys=True, default=str)
+        if key not in self._samplers:
+            if len(self._samplers) >= SAMPLERS:
+                self._samplers.pop(next(iter(self._samplers)))
+            self._samplers[key] = self._make_sampler(s, ask, tools)
+        return self._samplers[key], bool(tools) and ask.schema is None
+
+    def _make_sampler(self, s: SamplingConfig, ask: Ask, tools: list[dict[str, Any]]) -> object:
+        e = self.engine
+        try:
+            if ask.schema is not None:
+                return e.make_sampler(s, schema_grammar(ask.schema))
+            if not tools:
+                if ask.tools and ask.tool_choice == "none":  # a token that would open a call is never drawn
+                    return e.make_sampler(s, NO_CALL, self.calls.triggers(ask.tools) + NO_CALL_OPENINGS)
+                return e.make_sampler(s)
+            chosen = [t for t in tools if t["function"]["name"] == ask.tool_choice] or tools
+            if ask.tool_choice not in ("auto",):  # required, or one tool named: the reply is a call
+                grammar = self.calls.grammar(chosen, loose=False)
+                if grammar:
+                    return e.make_sampler(s, grammar)
+            own = self.calls.grammar(tools)
+            grammar, triggers = (own, self.calls.triggers(tools)) if own else \
+                (loose_grammar(tools), self.calls.triggers(tools, own=False))
+            return e.make_sampler(s, grammar, triggers)
+        except ValueError as exc:
+            raise RequestError(f"llama.cpp's grammar refuses this tool or response schema: {exc}") from None
+
+    # ------------------------------------------------------------ keeping what was said
+    def _keep(self, owner: Kept | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+              answer: Answer) -> Kept:
+        said = [*messages, reply_message(answer)]
+        if owner is None:
+            origin = self.live.store.name if self.live is not None else ""
+            owner = Kept(_new_store(), [], tools, [], origin=origin)
+            self.kept.append(owner)
+        owner.messages, owner.used = said, time.time()
+        owner.tokens = self.engine.tokens[:self.engine.n_kv]
+        owner.copy, self.live, self._dirty, self._settled = None, owner, True, False
+        self._target = self.prompts.next_prefix(said, tools)
+        self._write_transcript(owner)
+        return owner
+
+    def _write_transcript(self, k: Kept) -> None:
+        """The new messages into the session's transcript (what `sessions list` and `search` read)."""
+        store = k.store
+        if not store.exists():
+            store.create()
+        opening: transcript.Record = {"t": "system", "system": _system_of(k.messages), "prefix": [],
+                   "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "vocab": ""}
+        records: list[transcript.Record] = [] if k.written else [opening]
+        records += [transcript.message(_as_message(m)) for m in k.messages[k.written:] if m["role"] != "system"]
+        store.append(records)
+        k.written = len(k.messages)
+        atomic_write(store.dir / SERVED_FILE, [json.dumps({"messages": k.messages, "tools": k.tools,
+                                                             "origin": k.origin}).encode()])
+        self.indexer = self.indexer or Indexer(self.rt.embedding)
+        self.indexer.update(store.name)
+
+    def _save(self) -> None:
+        """The live conversation's KV to disk (copied now, written in the background)."""
+        k = self.live
+        if k is None or self.engine.n_kv == 0:
+            return
+        payload, tokens, _ = self.kv.copy_out()
+        kv, store, turns = self.kv, k.store, sum(1 for m in k.messages if m["role"] == "user")
+        self._dirty, k.on_disk = False, list(tokens)
+
+        def job() -> None:
+            header = kv.write(store.state, payload, tokens)
+            store.write_meta({**kv.meta(store.name, store.read_meta().get("created", time.time()), turns, header),
+                              "served": True})
+            kv.prune(keep=store.state)
+
+        self.session.writer.submit(job, dropped=lambda: kv.engine.state_done(payload), key=f"served:{store.state}")
+
+    # ------------------------------------------------------------ between requests
+    def idle_step(self) -> bool:
+        """One batch towards the next request's start, then the save; False when nothing is left."""
+        e = self.engine
+        if self._target and e.common_prefix(self._target) < len(self._target):
+            e.advance(self._target, e.config.n_batch)
+            return True
+        if self._dirty:
+            self._save()
+            return True
+        self._settled = self._settled or self.session.writer.wait(timeout=30)  # the save is on disk
+        return False
+
+    def due_in(self) -> float | None:
+        return None
+
+    def set_typed(self, text: str) -> None:
+        """Nothing is typed here."""
+
+    def close(self) -> None:
+        if self._dirty:
+            self._save()
+        self.session.writer.wait(timeout=120)
+        if self.indexer is not None:
+            self.indexer.wait(10)
+
+    def health(self) -> dict[str, Any]:
+        return {"conversations": len(self.kept), "in_memory": sum(1 for k in self.kept if k.copy is not None),
+                "kv_tokens": self.engine.n_kv, "requests": self.requests, "settled": self._settled}
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _repeats(answer: Answer, messages: list[dict[str, Any]]) -> bool:
+    """Whether the reply's calls are those of the last reply, whose results close the messages."""
+    if not messages or messages[-1]["role"] != "tool":
+        return False
+    last = next((m for m in reversed(messages) if m["role"] == "assistant"), None)
+    before = [(c["function"]["name"], c["function"].get("arguments")) for c in (last or {}).get("tool_calls") or []]
+    return [(c.name, c.arguments) for c in answer.calls] == before[:len(answer.calls)] and bool(before)
+
+
+def _body(engine: Any, tokens: list[int]) -> list[int]:
+    return tokens[:-1] if tokens and engine.is_eog(tokens[-1]) else list(tokens)
+
+
+def _with_id(call: ToolCall) -> ToolCall:
+    return replace(call, id=f"call_{secrets.token_hex(12)}")
+
+
+def _new_store() -> SessionDir:
+    return SessionDir(f"{NAME_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}")
+
+
+def _system_of(messages: list[dict[str, Any]]) -> str | None:
+    return messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+
+
+def _as_message(m: dict[str, Any]) -> Message:
+    """A template-shaped message as a transcript's."""
+    calls = [{"name": c["function"]["name"], "arguments": c["function"].get("arguments", {}), "id": c.get("id", "")}
+             for c in m.get("tool_calls") or []]
+    call = {"name": m.get("name", ""), "id": m.get("tool_call_id", "")} if m["role"] == "tool" else {}
+    return Message(role=m["role"], content=m["content"], reasoning=m.get("reasoning_content", ""), calls=calls,
+                   call=call)

@@ -1,0 +1,66 @@
+"""`localchat serve`: the chat's model and its kept KV behind OpenAI's and Anthropic's HTTP APIs."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+from localchat import runtime
+from localchat.errors import UsageError
+from localchat.host.scheduler import Scheduler
+from localchat.host.served import Served
+from localchat.session.lifecycle import Session
+from localchat.settings import Profile
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def check_address(host: str, api_key: str) -> None:
+    if host not in LOOPBACK and not api_key:
+        raise UsageError(f"--host {host} lets other machines in: give --api-key KEY too (clients send it as "
+                         "'Authorization: Bearer KEY' or 'x-api-key: KEY')")
+
+
+def run(profile: Profile, host: str, port: int, api_key: str, report: Callable[[str], None], verbose: bool = False,
+        explicit_ctx: bool = False) -> int:
+    """Serve until interrupted; the conversations' KV is saved on the way out."""
+    import uvicorn
+
+    from localchat.serve.app import Front, make_app
+
+    check_address(host, api_key)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("localchat serve: %(message)s"))
+    served_log = logging.getLogger("localchat.serve")
+    served_log.addHandler(handler)
+    served_log.setLevel(logging.INFO)
+    served_log.propagate = False
+    with runtime.open_runtime(profile, report, verbose=verbose, explicit_ctx=explicit_ctx) as rt:
+        session = Session(rt, None, report, autosave=False, prefix_store=True)
+        served = Served(session)
+        scheduler = Scheduler(served)
+        name = profile.model if profile.model and not profile.model.endswith(".gguf") and "/" not in profile.model \
+            else rt.model.path.stem
+        front = Front(served, scheduler, name, api_key, time.time())
+        report(f"localchat serve: {name} on http://{host}:{port}/v1 (OpenAI: /v1/chat/completions, "
+               f"Anthropic: /v1/messages; {len(served.kept)} conversations kept); Ctrl-C stops")
+        # uvicorn stops on SIGINT and SIGTERM, then raises them again: both end here, the KV saved below
+        signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            uvicorn.Server(uvicorn.Config(make_app(front), host=host, port=port, log_level="warning",
+                                          access_log=False)).run()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            scheduler.close()
+            served.close()
+            session.close()
+    report("localchat serve: stopped; the conversations are saved")
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

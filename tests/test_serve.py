@@ -1,0 +1,293 @@
+"""`localchat serve` driven by the official OpenAI and Anthropic SDKs, as other programs drive it: replies
+streamed and not, a re-sent history evaluating only what is new (the usage's cached tokens), the cache kept
+across a restart, tool calls round-tripped on the real built-in model, bad requests answered in the API's own
+error shape while the server goes on, a key required off loopback, a client gone mid-stream stopping its
+generation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import anthropic
+import openai
+import psutil
+import pytest
+
+from localchat.bench.peer import _free_port
+from tests.conftest import run_cli
+
+SYSTEM = "You are a terse assistant."
+
+
+class Server:
+    def __init__(self, model: Path, home: Path, *args: str, key: str = ""):
+        self.port = _free_port()
+        env = {**os.environ, "LOCALCHAT_HOME": str(home)}
+        self.log = home.parent / f"serve-{self.port}.log"
+        home.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "localchat", "serve", "--model", str(model), "--port",
+                                      str(self.port), *args], env=env, stdout=subprocess.DEVNULL,
+                                     stderr=self.log.open("w"))
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 300
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                self.health(key)
+                return
+            except OSError:
+                assert time.time() < deadline, "the server did not start"
+                time.sleep(0.2)
+
+    def health(self, key: str = "") -> dict:
+        req = urllib.request.Request(self.url + "/health", headers={"x-api-key": key} if key else {})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())
+
+    def settle(self) -> None:
+        """Wait for the idle work: the KV brought to the next request's start and saved."""
+        deadline = time.time() + 120
+        while not self.health()["settled"]:
+            assert time.time() < deadline
+            time.sleep(0.1)
+
+    def openai(self, key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=300)
+
+    def anthropic(self) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=self.url, api_key="none", max_retries=0, timeout=300)
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGINT)
+        assert self.proc.wait(120) == 0, self.log.read_text()
+        return self.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def demo_server(demo_path, tmp_path_factory):
+    server = Server(demo_path, tmp_path_factory.mktemp("serve") / "home", "--temperature", "0", "--ctx", "1024")
+    yield server
+    server.stop()
+
+
+def _post(server: Server, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(server.url + path, data=body, method="POST",
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_openai_sdk_re_sending_its_history_evaluates_only_what_is_new(demo_server):
+    client = demo_server.openai()
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a color."}]
+    first = client.chat.completions.create(model="demo", messages=msgs, max_tokens=12)
+    assert first.choices[0].message.content and first.usage.prompt_tokens_details.cached_tokens == 0
+    demo_server.settle()
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And another one?"}]
+    stream = client.chat.completions.create(model="demo", messages=msgs, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert text and chunks[-2].choices[0].finish_reason in ("stop", "length")
+    # the history (system, question, reply) comes from the KV: what is evaluated is the new message's tokens
+    assert usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens <= 16
+
+
+def test_the_anthropic_sdk_streams_and_reads_the_cache(demo_server):
+    client = demo_server.anthropic()
+    msgs = [{"role": "user", "content": "Say hello."}]
+    first = client.messages.create(model="demo", max_tokens=12, system=[{"type": "text", "text": SYSTEM}],
+                                   messages=msgs)
+    assert first.content[0].type == "text" and first.content[0].text
+    demo_server.settle()
+    msgs += [{"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "Once more."}]
+    with client.messages.stream(model="demo", max_tokens=12, system=SYSTEM, messages=msgs) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text and final.stop_reason in ("end_turn", "max_tokens")
+    prior = first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.output_tokens
+    assert final.usage.cache_read_input_tokens >= prior - 1
+    assert final.usage.input_tokens <= 16
+
+
+def test_a_volatile_billing_header_costs_nothing(demo_server):
+    """Claude Code's per-request header line in the system prompt: left out, so the cache holds."""
+    client = demo_server.anthropic()
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.99.a1b; cc_entrypoint=cli; "
+               "cch=1f2e3;"}, {"type": "text", "text": SYSTEM + " Answer in one word."}]
+    first = client.messages.create(model="demo", max_tokens=8, system=system,
+                                   messages=[{"role": "user", "content": "Pick a fruit."}])
+    demo_server.settle()
+    system[0]["text"] = "x-anthropic-billing-header: cc_version=2.1.99.c4d; cc_entrypoint=cli; cch=9a8b7;"
+    second = client.messages.create(model="demo", max_tokens=8, system=system, messages=[
+        {"role": "user", "content": "Pick a fruit."}, {"role": "assistant", "content": first.content[0].text},
+        {"role": "user", "content": "Another."}])
+    prior = first.usage.input_tokens + first.usage.cache_read_input_tokens + first.usage.output_tokens
+    assert second.usage.cache_read_input_tokens >= prior - 1
+
+
+BAD = [
+    (b"{not json", 400), (b"[1, 2]", 400), (json.dumps({"messages": "hi"}).encode(), 400),
+    (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": 9}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}] * 10_000}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}],
+                 "tools": [{"type": "function", "function": {"name": "bad name!", "parameters": {}}}]}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "tools": "all"}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}],
+                 "response_format": {"type": "json_schema"}}).encode(), 400),
+    (json.dumps({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+                ).encode(), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "word " * 3000}]}).encode(), 400),  # past the context
+    (b"x" * (10 << 20), 413),
+]
+
+
+def test_bad_requests_get_the_apis_error_and_the_server_goes_on(demo_server):
+    client = demo_server.openai()
+    client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    rss = psutil.Process(demo_server.proc.pid).memory_info().rss
+    for body, status in BAD:
+        code, answer = _post(demo_server, "/v1/chat/completions", body)
+        assert (code, set(answer)) == (status, {"error"}), (body[:80], answer)
+        assert answer["error"]["message"]
+    code, answer = _post(demo_server, "/v1/messages", json.dumps({"messages": [{"role": "user", "content": "x"}]}
+                                                                  ).encode())
+    assert code == 400 and answer["type"] == "error" and "max_tokens" in answer["error"]["message"]
+    code, answer = _post(demo_server, "/v1/messages", json.dumps({"max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "tool_result"}]}]}).encode())
+    assert code == 400 and "tool_use_id" in answer["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="does not fit the context"):
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "word " * 3000}],
+                                       stream=True)
+    reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert reply.choices[0].message.content is not None
+    grown = psutil.Process(demo_server.proc.pid).memory_info().rss - rss
+    assert grown < 64 << 20, f"RSS grew {grown >> 20} MiB over the bad requests"
+
+
+def test_a_client_that_goes_away_mid_stream_stops_the_generation(demo_server):
+    before = demo_server.health()["requests"]
+    stream = demo_server.openai().chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
+        max_tokens=900, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    demo_server.settle()
+    assert demo_server.health()["requests"] == before + 1
+    log = demo_server.log.read_text().splitlines()
+    generated = int([line for line in log if f"request {before + 1} " in line][-1].split(", ")[-1].split()[0])
+    assert generated < 300, log[-1]
+
+
+def test_the_cache_survives_a_restart_and_the_conversation_is_a_session(demo_path, tmp_path):
+    home = tmp_path / "home"
+    server = Server(demo_path, home, "--temperature", "0")
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about the lighthouse keeper."}]
+    first = server.openai().chat.completions.create(model="demo", messages=msgs, max_tokens=16)
+    server.settle()
+    assert "(0 from disk)" in server.stop()
+    server = Server(demo_path, home, "--temperature", "0")
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "What was his name?"}]
+    second = server.openai().chat.completions.create(model="demo", messages=msgs, max_tokens=8)
+    log = server.stop()
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert f"{cached} cached ({cached} from disk)" in log
+    env = {"LOCALCHAT_HOME": str(home)}
+    listed = run_cli(["sessions", "list", "--json"], env=env)
+    assert listed.returncode == 0 and "served-" in listed.stdout
+    found = run_cli(["search", "lighthouse"], env=env)
+    assert found.returncode == 0 and "served-" in found.stdout, found.stdout + found.stderr
+
+
+def test_another_address_needs_a_key_and_every_request_brings_it(demo_path, tmp_path):
+    refused = run_cli(["serve", "--model", str(demo_path), "--host", "0.0.0.0"], env={"LOCALCHAT_HOME": str(tmp_path)})
+    assert refused.returncode == 2 and "--api-key" in refused.stderr and refused.stderr.count("\n") == 1
+    server = Server(demo_path, tmp_path / "home", "--host", "0.0.0.0", "--api-key", "s3cret", key="s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            server.openai("wrong").models.list()
+        with pytest.raises(urllib.error.HTTPError):
+            server.health()
+        assert server.health("s3cret")["status"] == "ok"
+        assert [m.id for m in server.openai("s3cret").models.list()] == [demo_path.stem]
+    finally:
+        server.stop()
+
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a text file of the project.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "path": {"type": "string", "description": "The file's path."}},
+                                               "required": ["path"]}}}]
+ASK = "When is the meeting? Check notes.txt."
+RESULT = "Contents of notes.txt:\nThe team meeting is on Thursday at 15:30 in room B."
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city.",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                            "required": ["city"]}}}]
+
+
+@pytest.mark.real
+def test_a_tool_call_round_trips_through_both_apis_on_the_real_model(assistant_path, tmp_path):
+    server = Server(assistant_path, tmp_path / "home", "--temperature", "0")
+    try:
+        client = server.openai()
+        msgs = [{"role": "user", "content": ASK}]
+        first = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+        call = first.choices[0].message.tool_calls[0]
+        assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "read_file"
+        assert json.loads(call.function.arguments) == {"path": "notes.txt"}
+        server.settle()
+        msgs += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
+        second = client.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+        assert "15:30" in second.choices[0].message.content and not second.choices[0].message.tool_calls
+        # the call as the template writes it back, then the result: only those are evaluated
+        assert second.usage.prompt_tokens - second.usage.prompt_tokens_details.cached_tokens <= 40
+
+        # this model calls the weather tool again after its result: the repeat is not handed back, it answers
+        msgs = [{"role": "user", "content": "What's the weather in Paris right now?"}]
+        first = client.chat.completions.create(model="m", messages=msgs, tools=WEATHER)
+        msgs += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id,
+                  "content": "Sunny, 21 °C, light wind from the west."}]
+        second = client.chat.completions.create(model="m", messages=msgs, tools=WEATHER)
+        assert "21" in second.choices[0].message.content and second.choices[0].finish_reason == "stop"
+        assert "repeats the call just answered" in server.log.read_text()
+
+        tools = [{"name": "read_file", "description": TOOLS[0]["function"]["description"],
+                  "input_schema": TOOLS[0]["function"]["parameters"]}]
+        ant = server.anthropic()
+        turns = [{"role": "user", "content": ASK}]
+        with ant.messages.stream(model="m", max_tokens=200, tools=tools, messages=turns) as stream:
+            reply = stream.get_final_message()
+        use = next(b for b in reply.content if b.type == "tool_use")
+        assert reply.stop_reason == "tool_use" and (use.name, use.input) == ("read_file", {"path": "notes.txt"})
+        server.settle()
+        turns += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}]
+        answer = ant.messages.create(model="m", max_tokens=200, tools=tools, messages=turns)
+        assert "15:30" in answer.content[0].text and answer.stop_reason == "end_turn"
+        assert answer.usage.input_tokens <= 40  # the result and its template text: the rest was cached
+    finally:
+        server.stop()
