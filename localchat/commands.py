@@ -437,6 +437,7 @@ def cmd_serve(argv: Sequence[str]) -> int:
     from localchat import runtime, serve
     args = serve_parser().parse_args(argv)
     serve.check_address(args.host, args.api_key)
+    serve.check_port(args.host, args.port)
     profile = runtime.load_profile(args.profile, overrides(args))
     return serve.run(profile, args.host, args.port, args.api_key, _report, verbose=args.verbose,
                      explicit_ctx=args.n_ctx is not None)

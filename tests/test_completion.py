@@ -50,7 +50,7 @@ def session_home(tmp_path_factory, demo_path) -> Path:
 def test_the_first_word_is_a_command_or_an_option_of_the_chat():
     assert complete("localchat", "") == list(SUBCOMMANDS)
     assert "completions" in SUBCOMMANDS and "__complete" not in SUBCOMMANDS
-    assert complete("localchat", "se") == ["sessions", "search"]
+    assert complete("localchat", "se") == ["sessions", "search", "serve"]
     assert complete("localchat", "--") == long_options(chat_parser())
     assert complete("localchat", "--no-th") == ["--no-think"]
     assert "-p" in complete("localchat", "-p") and "--profile" not in complete("localchat", "-p")

@@ -194,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the assistant task suite (reads, searches, edits, commands, memory, follow-ups) at "
                         "temperature 0: success, calls, tokens and time per task (against --peer-server)")
     p.add_argument("--task", action="append", metavar="NAME", help="--assistant: only this task (repeatable)")
+    p.add_argument("--serve", action="store_true",
+                   help="a scripted 20-request agent session through the Anthropic SDK against `localchat serve` "
+                        "(and --peer-server): tokens evaluated, TTFT and wall time per request, a restart included")
     return p
 
 
@@ -203,6 +206,8 @@ def main(argv: Sequence[str]) -> int:
         return _search_bench(args)
     if args.assistant:
         return _assistant_bench(args)
+    if args.serve:
+        return _serve_bench(args)
     if args.typing or args.reasoning or args.tools:
         return _idle_benches(args)
     if args.load or args.decode or args.document:
@@ -255,6 +260,23 @@ def _assistant_bench(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     for line in assistant.summary_lines(result):
+        sys.stdout.write(line + "\n")
+    return 0
+
+
+def _serve_bench(args: argparse.Namespace) -> int:
+    """--serve: both servers in processes of their own; JSON to --json, the table to stdout."""
+    from localchat.bench import serve
+    o = overrides(args)
+    o["temperature"] = 0.0
+    profile = runtime.load_profile(args.profile, o)
+    passed = [a for flag, value in (("--profile", args.profile), ("--model", args.model), ("--ctx", args.n_ctx))
+              if value is not None for a in (flag, str(value))]
+    result = serve.run_serve_bench(profile, [*passed, "--temperature", "0"], args.peer_server or "", _report)
+    result["versions"] = {"llama_cpp_python": llama_version()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    for line in serve.summary_lines(result):
         sys.stdout.write(line + "\n")
     return 0
 

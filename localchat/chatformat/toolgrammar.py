@@ -44,10 +44,10 @@ def literal(text: str) -> str:
 class Rules:
     """Grammar rules, named as they are made."""
 
-    def __init__(self) -> None:
+    def __init__(self, spaced: bool = False) -> None:
         self.rules: dict[str, str] = {}
         self.ends: dict[str, str] = {}  # the rule of each text a value runs up to
-        self.spaced = False  # JSON with any whitespace between its tokens (a loose call), not tojson's
+        self.spaced = spaced  # JSON with any whitespace between its tokens (a loose call), not tojson's
 
     def _punct(self, c: str) -> str:
         """A JSON punctuation mark between values: tojson's (", " and ": "), or with any whitespace around."""

@@ -25,6 +25,7 @@ from localchat.errors import RequestError
 # and would make every request start over, so it is left out of the prompt
 VOLATILE = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)", re.MULTILINE)
 ROLES = ("system", "user", "assistant", "tool")
+SAMPLED_KEPT = 256  # replies whose sampled tokens are kept (a client sends back its last few)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,6 @@ class Answer:
     loaded_tokens: int = 0  # of those, read from a saved state
     completion_tokens: int = 0
     conversation: str = ""  # the session it was kept in
-    waited_s: float = 0.0  # queued behind other requests
 
     @property
     def evaluated(self) -> int:
@@ -111,6 +111,12 @@ class Prompts:
         self.fmt, self.tokenize, self._bos_text = fmt, tokenize, bos_text
         self.sampled: dict[str, list[int]] = {}
 
+    def remember(self, text: str, tokens: list[int]) -> None:
+        """A reply's tokens as sampled, for when its text comes back (the oldest forgotten past SAMPLED_KEPT)."""
+        self.sampled[text] = tokens
+        if len(self.sampled) > SAMPLED_KEPT:
+            self.sampled.pop(next(iter(self.sampled)))
+
     def messages_for_template(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """A system prompt folded into the first message where the template has no system role."""
         if self.fmt.system_role or not messages or messages[0]["role"] != "system":
@@ -153,8 +159,7 @@ class Prompts:
 
 def schema_grammar(schema: dict[str, Any]) -> str:
     """The GBNF of a JSON answer of this schema ({}: any JSON object); RequestError where it cannot be written."""
-    rules = Rules()
-    rules.spaced = True  # JSON as models write it
+    rules = Rules(spaced=True)  # JSON as models write it
     try:
         root = rules.value(schema, "answer") if schema else rules._any() and "s-object"
     except (NotWritable, ValueError, TypeError, KeyError) as exc:

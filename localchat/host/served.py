@@ -32,8 +32,8 @@ from localchat.chatformat import reasoning
 from localchat.chatformat.loosecalls import NO_CALL_OPENINGS
 from localchat.chatformat.toolcalls import ToolCall, ToolFormat, after_thoughts
 from localchat.chatformat.toolgrammar import NO_CALL, loose_grammar
-from localchat.engine import Generation, SamplingConfig, prime_sampler
-from localchat.errors import RequestError
+from localchat.engine import Cancelled, Generation, SamplingConfig, prime_sampler
+from localchat.errors import RequestError, SessionError
 from localchat.fsutil import atomic_write
 from localchat.host.asks import Answer, Ask, Prompts, check_messages, normalised, reply_message, schema_grammar
 from localchat.session import statefile
@@ -47,9 +47,12 @@ log = logging.getLogger("localchat.serve")
 
 NAME_PREFIX = "served-"
 SERVED_FILE = "served.json"  # the messages as the client sent them (and its origin): how its next request is known
+KEPT_AT_START = 64  # the served sessions a start looks at, the most recent first
 MIN_GAIN = 32  # tokens a load must save over what the KV holds to be worth a copy in or out
 RAM_COPIES = 4  # conversations kept in memory beside the one in the KV
 SAMPLERS = 16  # sampler chains kept for reuse (a grammar's is costly to make)
+WARM_UP_TOKENS = 512
+SAVE_WHEN_QUIET_S = 1.0  # the KV is saved once requests pause this long (an agent's come back to back)
 DEBRIS = ("{", "[", "```", "```json")  # all a small model wrote before its call at times: no words of its own
 
 
@@ -79,35 +82,49 @@ class Served:
         self._target: list[int] = []  # what the idle work brings the KV to (the next request's start)
         self._dirty = False  # the live conversation's KV is not on disk yet
         self._settled = True  # the idle work is done: the KV holds the next request's start, and is saved
+        self._last_request = time.monotonic()
         self._samplers: dict[str, object] = {}
         self.indexer: Indexer | None = None
         self.requests = 0
         self._load_kept()
 
+    def warm_up(self) -> None:
+        """On a GPU, one batch and one step evaluated and dropped before the first request: CUDA loads a kernel
+        at its first use, which would fall into the first request's time (llama-server warms up alike)."""
+        e = self.engine
+        if not e.overlaps:
+            return
+        word = e.tokenize("warm", False, False) or [0]
+        e.prefill((word * WARM_UP_TOKENS)[:min(WARM_UP_TOKENS, e.config.n_batch, e.n_ctx - 2)])
+        e.prefill(e.tokens + word)
+        e.synchronize()
+        e.clear()
+
     # ------------------------------------------------------------ the kept conversations
     def _load_kept(self) -> None:
-        """The served sessions on disk whose state this model and these KV settings can load."""
-        for store in list_sessions():
-            if not store.name.startswith(NAME_PREFIX):
-                continue
+        """The most recent served sessions on disk (their states loaded where this model and these KV settings
+        can take them)."""
+        for store in [s for s in list_sessions() if s.name.startswith(NAME_PREFIX)][:KEPT_AT_START]:
             try:
+                store.lock()  # one process per session: one held elsewhere (a terminal, a second server) is left
                 saved = json.loads((store.dir / SERVED_FILE).read_text())
                 header, _ = statefile.read_header(store.state) if store.state.exists() else (None, 0)
                 on_disk = header.tokens if header is not None and header.kv_settings == self.kv.settings else []
                 self.kept.append(Kept(store, saved["messages"], saved.get("tools", []), list(on_disk),
                                       on_disk=list(on_disk), written=len(saved["messages"]),
                                       origin=saved.get("origin", ""), used=store.dir.stat().st_mtime))
-            except (OSError, ValueError, KeyError, TypeError, StateRejected):
+            except (OSError, ValueError, KeyError, TypeError, StateRejected, SessionError):
+                store.unlock()
                 continue  # a damaged session is not served from; `sessions verify` says why
 
     def _owner(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Kept | None:
-        """The conversation this request continues: the longest whose messages open it, with the same tools."""
-        best: Kept | None = None
+        """The conversation this request continues, with the same tools: the longest whose messages open it, its
+        last reply as the client sent it back (a client may send a reply back otherwise than it was written)."""
+        best, best_n = None, -1
         for k in self.kept:
-            n = len(k.messages)
-            if n < len(messages) and k.tools == tools and k.messages == messages[:n] and \
-                    (best is None or n > len(best.messages)):
-                best = k
+            n = len(k.messages) - (1 if k.messages and k.messages[-1]["role"] == "assistant" else 0)
+            if best_n < n < len(messages) and k.tools == tools and k.messages[:n] == messages[:n]:
+                best, best_n = k, n
         return best
 
     def _source(self, prompt: list[int]) -> tuple[Kept | None, int]:
@@ -124,8 +141,8 @@ class Served:
         return best, (best_len if best is not None else here)
 
     def _bring(self, k: Kept) -> int:
-        """Load k's KV into the engine (the live one kept aside first); tokens loaded from disk (0 from memory)."""
-        self._set_aside()
+        """Load k's KV into the engine (the live one set aside first); tokens loaded from disk (0 from memory)."""
+        self._set_aside([])
         if k.copy is not None:
             if self.engine.load_state(k.copy, k.tokens):
                 k.copy, self.live = None, k
@@ -144,14 +161,21 @@ class Served:
         k.tokens, self.live = list(header.tokens), k
         return len(header.tokens)
 
-    def _set_aside(self) -> None:
-        """The live conversation leaves the KV: a copy kept in memory (the oldest copies dropped), its state
-        saved first where the disk does not hold it yet."""
+    def _set_aside(self, prompt: list[int]) -> None:
+        """The live conversation leaves the KV for a request that keeps less than half of it: a copy kept in
+        memory (the oldest copies dropped), its state saved first where the disk does not hold it yet. One that
+        keeps more (a fork) leaves it in the KV, its saved state as it was."""
         k = self.live
         if k is None or self.engine.n_kv == 0:
             return
+        self.live = None
+        if 2 * self.engine.common_prefix(prompt) >= self.engine.n_kv:
+            k.tokens = k.on_disk
+            return
         if self._dirty:
+            self.live = k
             self._save()
+            self.live = None
         view = self.engine.state_bytes()
         owned = self.engine.staging is not None and self.engine.staging.owns(view)
         k.copy, k.tokens = (memoryview(bytearray(view)) if owned else view), self.engine.tokens[:self.engine.n_kv]
@@ -164,35 +188,41 @@ class Served:
                 other.copy = None
             else:
                 budget, count = budget - other.copy.nbytes, count + 1
-        self.live = None
 
     # ------------------------------------------------------------ a request
     def complete(self, ask: Ask, sink: TurnSink) -> Answer:
         """Answer one request: its prompt evaluated from the longest prefix kept, then the reply."""
         messages = normalised(ask.messages)
         check_messages(messages)
+        if ask.tools and not self.calls.kind:  # the template would not render them: the model cannot call them
+            log.warning("this model's template takes no tools (%s): the request's tools are not offered",
+                        self.calls.reason)
+            ask = replace(ask, tools=[], tool_choice="auto")
         self.requests += 1
         prompt = self.prompts.prompt(messages, ask.tools)
         room = self.engine.n_ctx - len(prompt)
         if room < 1:
             raise RequestError(f"the prompt ({len(prompt)} tokens) does not fit the context ({self.engine.n_ctx} "
                                "tokens): shorten the conversation or start the server with a larger --ctx")
-        owner = self._owner(messages, ask.tools)
+        owner, previous = self._owner(messages, ask.tools), self.live
         source, _ = self._source(prompt)
-        if self.live is not None and self.live is not owner:
-            self._set_aside()  # the KV moves on from the conversation it holds: kept in memory and on disk
+        if previous is not None and previous is not owner:
+            self._set_aside(prompt)  # the KV moves on from the conversation it holds
         loaded = self._bring(source) if source is not None else 0
-        done = self.engine.prefill(prompt, cancelled=sink.cancelled)
-        answer = self._reply(ask, min(ask.max_tokens or room, room), sink)
-        if answer.calls and _repeats(answer, messages):
-            answer = self._answer_instead(ask, messages, answer, sink)
+        try:
+            done = self.engine.prefill(prompt, cancelled=sink.cancelled)
+            answer = self._reply(ask, min(ask.max_tokens or room, room), sink)
+            if answer.calls and _repeats(answer, messages):
+                answer = self._answer_instead(ask, messages, answer, sink)
+        except Cancelled:  # the client went away: nothing to answer or keep
+            return Answer(finish="cancelled", prompt_tokens=len(prompt))
         answer.prompt_tokens, answer.cached_tokens = len(prompt), done.cached
         answer.loaded_tokens = min(loaded, done.cached)
-        k = self._keep(owner, messages, ask.tools, answer)
+        k = self._keep(owner, messages, ask.tools, answer, previous.store.name if previous is not None else "")
         answer.conversation = k.store.name
-        log.info("request %d (%s): %d prompt tokens, %d cached (%d from disk), %d evaluated, %d generated",
-                 self.requests, k.store.name, answer.prompt_tokens, answer.cached_tokens, answer.loaded_tokens,
-                 answer.evaluated, answer.completion_tokens)
+        log.info("request %d (%s): %d prompt tokens, %d cached (%d from disk), %d evaluated, %d generated; "
+                 "prefill %.3f s", self.requests, k.store.name, answer.prompt_tokens, answer.cached_tokens,
+                 answer.loaded_tokens, answer.evaluated, answer.completion_tokens, done.seconds)
         return answer
 
     def count(self, ask: Ask) -> int:
@@ -240,7 +270,7 @@ class Served:
         answer.finish = "tool_calls" if answer.calls else {"max_tokens": "length", "cancelled": "cancelled"}.get(
             gen.stop_reason, "stop")
         if answer.text and not answer.calls:
-            self.prompts.sampled[answer.text] = _body(self.engine, gen.tokens)
+            self.prompts.remember(answer.text, _body(self.engine, gen.tokens))
         return answer
 
     def _sampling(self, ask: Ask) -> SamplingConfig:
@@ -283,18 +313,28 @@ class Served:
 
     # ------------------------------------------------------------ keeping what was said
     def _keep(self, owner: Kept | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-              answer: Answer) -> Kept:
+              answer: Answer, origin: str) -> Kept:
+        """The answered request kept: in the conversation it continues, or a new one (`origin`: the one the KV
+        held, whose tokens it may share)."""
         said = [*messages, reply_message(answer)]
         if owner is None:
-            origin = self.live.store.name if self.live is not None else ""
             owner = Kept(_new_store(), [], tools, [], origin=origin)
+            owner.store.lock()
             self.kept.append(owner)
+        if owner.written and owner.messages[:owner.written] != said[:owner.written]:
+            self._rewrite_last_exchange(owner)  # its last reply came back otherwise than it was written
         owner.messages, owner.used = said, time.time()
         owner.tokens = self.engine.tokens[:self.engine.n_kv]
         owner.copy, self.live, self._dirty, self._settled = None, owner, True, False
+        self._last_request = time.monotonic()
         self._target = self.prompts.next_prefix(said, tools)
         self._write_transcript(owner)
         return owner
+
+    def _rewrite_last_exchange(self, k: Kept) -> None:
+        """The transcript's last exchange undone, to be written again as the client has it now."""
+        k.store.append([transcript.undo()])
+        k.written = max((i for i, m in enumerate(k.messages[:k.written]) if m["role"] == "user"), default=0)
 
     def _write_transcript(self, k: Kept) -> None:
         """The new messages into the session's transcript (what `sessions list` and `search` read)."""
@@ -337,13 +377,18 @@ class Served:
             e.advance(self._target, e.config.n_batch)
             return True
         if self._dirty:
+            if self.due_in():
+                return False  # more requests may follow at once: the save waits for a pause (due_in)
             self._save()
             return True
         self._settled = self._settled or self.session.writer.wait(timeout=30)  # the save is on disk
         return False
 
     def due_in(self) -> float | None:
-        return None
+        """Seconds until the save is due (None: nothing to save)."""
+        if not self._dirty:
+            return None
+        return max(0.0, SAVE_WHEN_QUIET_S - (time.monotonic() - self._last_request))
 
     def set_typed(self, text: str) -> None:
         """Nothing is typed here."""
@@ -354,10 +399,13 @@ class Served:
         self.session.writer.wait(timeout=120)
         if self.indexer is not None:
             self.indexer.wait(10)
+        for k in self.kept:
+            k.store.unlock()
 
     def health(self) -> dict[str, Any]:
         return {"conversations": len(self.kept), "in_memory": sum(1 for k in self.kept if k.copy is not None),
-                "kv_tokens": self.engine.n_kv, "requests": self.requests, "settled": self._settled}
+                "kv_tokens": self.engine.n_kv, "n_ctx": self.engine.n_ctx, "requests": self.requests,
+                "settled": self._settled}
 
 
 def _common(a: list[int], b: list[int]) -> int:

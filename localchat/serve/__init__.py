@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +25,16 @@ def check_address(host: str, api_key: str) -> None:
                          "'Authorization: Bearer KEY' or 'x-api-key: KEY')")
 
 
+def check_port(host: str, port: int) -> None:
+    """UsageError where the address cannot be listened on (before the model loads for nothing)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (another server there? "
+                             "--port N)") from None
+
+
 def run(profile: Profile, host: str, port: int, api_key: str, report: Callable[[str], None], verbose: bool = False,
         explicit_ctx: bool = False) -> int:
     """Serve until interrupted; the conversations' KV is saved on the way out."""
@@ -32,6 +43,7 @@ def run(profile: Profile, host: str, port: int, api_key: str, report: Callable[[
     from localchat.serve.app import Front, make_app
 
     check_address(host, api_key)
+    check_port(host, port)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("localchat serve: %(message)s"))
     served_log = logging.getLogger("localchat.serve")
@@ -41,6 +53,7 @@ def run(profile: Profile, host: str, port: int, api_key: str, report: Callable[[
     with runtime.open_runtime(profile, report, verbose=verbose, explicit_ctx=explicit_ctx) as rt:
         session = Session(rt, None, report, autosave=False, prefix_store=True)
         served = Served(session)
+        served.warm_up()
         scheduler = Scheduler(served)
         name = profile.model if profile.model and not profile.model.endswith(".gguf") and "/" not in profile.model \
             else rt.model.path.stem

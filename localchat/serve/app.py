@@ -9,7 +9,6 @@ import hmac
 import json
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -53,14 +52,10 @@ class Turn:
         waiting = front.scheduler.queued()
         if waiting:
             log.info("a request waits behind %d in the queue", waiting)
-        queued_at = time.perf_counter()
 
         def run() -> Answer:
-            waited = time.perf_counter() - queued_at
-            answer = front.served.complete(ask, TurnSink(text=self._put("text"), thought=self._put("thought"),
-                                                         cancelled=self.stop.is_set))
-            answer.waited_s = waited
-            return answer
+            return front.served.complete(ask, TurnSink(text=self._put("text"), thought=self._put("thought"),
+                                                       cancelled=self.stop.is_set))
 
         front.scheduler.call(run).add_done_callback(self._finished)
 

@@ -26,6 +26,8 @@ def ask_from(body: dict[str, Any], n_ctx: int) -> Ask:
         raise RequestError("messages: a non-empty list of messages is required")
     if len(raw) > MAX_MESSAGES:
         raise RequestError(f"messages: {len(raw)} messages; at most {MAX_MESSAGES} are taken")
+    if body.get("n", 1) != 1:
+        raise RequestError("n: one choice is served per request")
     names: dict[str, str] = {}
     messages = [_message(m, i, names) for i, m in enumerate(raw)]
     tools = tools_checked([_tool(t, i) for i, t in enumerate(body.get("tools") or [])])
