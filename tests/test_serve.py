@@ -193,6 +193,10 @@ def test_bad_requests_get_the_apis_error_and_the_server_goes_on(demo_server):
     code, answer = _post(demo_server, "/v1/messages", json.dumps({"max_tokens": 5, "messages": [
         {"role": "user", "content": [{"type": "tool_result"}]}]}).encode())
     assert code == 400 and "tool_use_id" in answer["error"]["message"]
+    code, answer = _post(demo_server, "/v1/messages", json.dumps({"max_tokens": 4, "messages": [  # Claude Code's
+        {"role": "user", "content": "Hi"}, {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello?"}]}).encode())
+    assert code == 200 and answer["content"][0]["type"] == "text"
     with pytest.raises(openai.BadRequestError, match="does not fit the context"):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "word " * 3000}],
                                        stream=True)

@@ -45,8 +45,11 @@ def _messages(m: Any, i: int, names: dict[str, str]) -> list[dict[str, Any]]:
     """One Anthropic message as the template's: a user's tool results become tool messages (first), a reply's
     tool_use blocks its calls, its thinking its reasoning."""
     where = f"messages[{i}]"
-    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-        raise RequestError(f"{where}.role: user or assistant is expected")
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+        raise RequestError(f"{where}.role: {m.get('role') if isinstance(m, dict) else m!r}: user, assistant or "
+                           "system is expected")
+    if m["role"] == "system":  # Claude Code sends reminders so, between turns: kept where they are
+        return [{"role": "system", "content": text_of(m.get("content"), f"{where}.content")}]
     content = m.get("content")
     blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
     if not isinstance(blocks, list):
