@@ -22,11 +22,12 @@ from localchat.engine.backend import (
 from localchat.engine.context import Engine
 from localchat.engine.draftmodel import DraftModel, check_vocab
 from localchat.engine.embedder import Embedder, LazyEmbedder
+from localchat.engine.sampling import free_sampler
 from localchat.engine.sampling import prime as prime_sampler
 from localchat.engine.speculative import Speculation
 from localchat.engine.types import Cancelled, Device, EngineConfig, Generation, PrefillResult, SamplingConfig
 
 __all__ = ["GGML_TYPES", "Cancelled", "Device", "DraftModel", "Embedder", "Engine", "EngineConfig", "Generation",
            "LazyEmbedder", "PrefillResult", "SamplingConfig", "Speculation", "check_vocab", "cpu_has_amx", "devices",
-           "gpu_offload_supported", "llama_version", "prime_sampler", "register_rpc", "row_split_supported",
-           "rpc_supported"]
+           "free_sampler", "gpu_offload_supported", "llama_version", "prime_sampler", "register_rpc",
+           "row_split_supported", "rpc_supported"]

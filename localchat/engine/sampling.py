@@ -268,6 +268,16 @@ def _takes(probe: object, vocab: object, text: bytes) -> bool:
         lc.llama_sampler_free(copy)
 
 
+def free_sampler(sampler: object) -> None:
+    """A sampler from make_sampler no longer used: its chain and grammars freed."""
+    if isinstance(sampler, Constrained):
+        for part in (sampler.chain, sampler.grammar, sampler.probe):
+            if part is not None:
+                lc.llama_sampler_free(part)
+        return
+    lc.llama_sampler_free(sampler)
+
+
 def logits(ctx: object, i: int, n_vocab: int) -> np.ndarray:
     """Output i's logits, read in place (no copy)."""
     return np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(n_vocab,))

@@ -25,6 +25,7 @@ from localchat.errors import RequestError
 # and would make every request start over, so it is left out of the prompt
 VOLATILE = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)", re.MULTILINE)
 ROLES = ("system", "user", "assistant", "tool")
+MARKER = re.compile("\ue000(\\d+)\ue001")  # a content's place in a rendering (private-use characters)
 SAMPLED_KEPT = 256  # replies whose sampled tokens are kept (a client sends back its last few)
 
 
@@ -93,16 +94,6 @@ def reply_message(answer: Answer) -> dict[str, Any]:
     return out
 
 
-def contents(messages: list[dict[str, Any]]) -> list[str]:
-    """The texts a client wrote, in the order a template writes them (reasoning before its answer)."""
-    out = []
-    for m in messages:
-        if m.get("reasoning_content"):
-            out.append(m["reasoning_content"])
-        out.append(m["content"])
-    return [c for c in out if c]
-
-
 class Prompts:
     """Messages to the tokens of their official rendering. `tokenize(text, special, bos)`; `sampled` maps a
     reply's text to its tokens as sampled (the KV keeps them where the client sends the text back)."""
@@ -126,20 +117,38 @@ class Prompts:
 
     def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         """The prompt for a reply after these messages."""
-        msgs = self.messages_for_template(messages)
-        return self.tokens(self.fmt.render(msgs, True, tools), contents(msgs))
+        return self._laid_out(self.messages_for_template(messages), tools)
 
     def next_prefix(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         """What the next request after these messages (the reply last) starts with: up to the next
         message's words, as the template writes it then."""
         msgs = self.messages_for_template([*messages, {"role": "user", "content": USER_SENTINEL}])
+        return self._laid_out(msgs, tools, cut=USER_SENTINEL)
+
+    def _laid_out(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]], cut: str = "") -> list[int]:
+        """The rendering's tokens: where each content lies is found by rendering once more with a marker in
+        its place (a content found by search could match inside the template's own text: a control token)."""
         text = self.fmt.render(msgs, True, tools)
-        cut = text.find(USER_SENTINEL)
-        if cut < 0:
-            return []
-        return self.tokens(text[:cut], contents(msgs[:-1]))
+        marked_msgs, written = _marked(msgs, keep_last=bool(cut))
+        marked = self.fmt.render(marked_msgs, True, tools)
+        if cut:
+            at, marked_at = text.find(cut), marked.find(cut)
+            if at < 0 or marked_at < 0:
+                return []
+            text, marked = text[:at], marked[:marked_at]
+        pieces = MARKER.split(marked)
+        templates, order = pieces[0::2], [written[int(i)] for i in pieces[1::2]]
+        if "".join(t + c for t, c in zip(templates, [*order, ""])) != text:  # the template changed a content
+            return self.tokens(text, [w for w in written if w])
+        out: list[int] = []
+        for t, content in zip(templates, [*order, ""]):
+            out += self._template(t, not out)
+            if content:
+                out += self.sampled.get(content) or self.tokenize(content, False, False)
+        return out
 
     def tokens(self, text: str, written: list[str]) -> list[int]:
+        """The tokens of `text` with the contents `written` found in it in order, by search."""
         out: list[int] = []
         cursor = 0
         for content in written:
@@ -155,6 +164,27 @@ class Prompts:
         if not text:
             return []
         return self.tokenize(text, True, first and not (self._bos_text and text.startswith(self._bos_text)))
+
+
+def _marked(msgs: list[dict[str, Any]], keep_last: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    """The messages with each content (and reasoning) replaced by a numbered marker; the texts, by number."""
+    written: list[str] = []
+
+    def mark(text: str) -> str:
+        written.append(text)
+        return f"\ue000{len(written) - 1}\ue001"
+
+    out = []
+    for i, m in enumerate(msgs):
+        if keep_last and i == len(msgs) - 1:
+            out.append(m)
+            continue
+        m = {**m}
+        if m.get("reasoning_content"):  # a template writes the reasoning before its answer
+            m["reasoning_content"] = mark(m["reasoning_content"])
+        m["content"] = mark(m["content"]) if m["content"] else ""
+        out.append(m)
+    return out, written
 
 
 def schema_grammar(schema: dict[str, Any]) -> str:

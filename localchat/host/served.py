@@ -32,7 +32,7 @@ from localchat.chatformat import reasoning
 from localchat.chatformat.loosecalls import NO_CALL_OPENINGS
 from localchat.chatformat.toolcalls import ToolCall, ToolFormat, after_thoughts
 from localchat.chatformat.toolgrammar import NO_CALL, loose_grammar
-from localchat.engine import Cancelled, Generation, SamplingConfig, prime_sampler
+from localchat.engine import Cancelled, Generation, SamplingConfig, free_sampler, prime_sampler
 from localchat.errors import RequestError, SessionError
 from localchat.fsutil import atomic_write
 from localchat.host.asks import Answer, Ask, Prompts, check_messages, normalised, reply_message, schema_grammar
@@ -47,12 +47,13 @@ log = logging.getLogger("localchat.serve")
 
 NAME_PREFIX = "served-"
 SERVED_FILE = "served.json"  # the messages as the client sent them (and its origin): how its next request is known
-KEPT_AT_START = 64  # the served sessions a start looks at, the most recent first
+KEPT = 64  # conversations kept at hand (a start looks at the most recent; the least used leave memory)
 MIN_GAIN = 32  # tokens a load must save over what the KV holds to be worth a copy in or out
 RAM_COPIES = 4  # conversations kept in memory beside the one in the KV
 SAMPLERS = 16  # sampler chains kept for reuse (a grammar's is costly to make)
 WARM_UP_TOKENS = 512
-SAVE_WHEN_QUIET_S = 1.0  # the KV is saved once requests pause this long (an agent's come back to back)
+SAVE_WHEN_QUIET_S = 1.0
+WRITE_POLL_S = 0.2  # the KV is saved once requests pause this long (an agent's come back to back)
 DEBRIS = ("{", "[", "```", "```json")  # all a small model wrote before its call at times: no words of its own
 
 
@@ -104,7 +105,7 @@ class Served:
     def _load_kept(self) -> None:
         """The most recent served sessions on disk (their states loaded where this model and these KV settings
         can take them)."""
-        for store in [s for s in list_sessions() if s.name.startswith(NAME_PREFIX)][:KEPT_AT_START]:
+        for store in [s for s in list_sessions() if s.name.startswith(NAME_PREFIX)][:KEPT]:
             try:
                 store.lock()  # one process per session: one held elsewhere (a terminal, a second server) is left
                 saved = json.loads((store.dir / SERVED_FILE).read_text())
@@ -153,10 +154,9 @@ class Served:
             check_state(header, k.on_disk, self.kv.hasher.value, self.kv.settings)
             if not self.kv.load(k.store.state, header, offset, header.tokens):
                 raise StateRejected("llama.cpp refused the state data")
-        except (OSError, StateRejected) as why:
+        except (OSError, StateRejected) as why:  # the KV is as it was (llama.cpp emptied it if it refused)
             log.warning("%s: saved KV not used: %s", k.store.name, why)
             k.on_disk = []
-            self.engine.clear()
             return 0
         k.tokens, self.live = list(header.tokens), k
         return len(header.tokens)
@@ -170,7 +170,7 @@ class Served:
             return
         self.live = None
         if 2 * self.engine.common_prefix(prompt) >= self.engine.n_kv:
-            k.tokens = k.on_disk
+            k.tokens, self._dirty = k.on_disk, False  # its tail since the last save is the fork's to keep now
             return
         if self._dirty:
             self.live = k
@@ -269,8 +269,8 @@ class Served:
                     answer.text = ""
         answer.finish = "tool_calls" if answer.calls else {"max_tokens": "length", "cancelled": "cancelled"}.get(
             gen.stop_reason, "stop")
-        if answer.text and not answer.calls:
-            self.prompts.remember(answer.text, _body(self.engine, gen.tokens))
+        if answer.text and not answer.calls and not self.style and gen.stop_reason != "stop_string":
+            self.prompts.remember(answer.text, _body(self.engine, gen.tokens))  # tokens that are the text alone
         return answer
 
     def _sampling(self, ask: Ask) -> SamplingConfig:
@@ -286,7 +286,7 @@ class Served:
         key = json.dumps([s.__dict__, tools, ask.tool_choice, ask.schema], sort_keys=True, default=str)
         if key not in self._samplers:
             if len(self._samplers) >= SAMPLERS:
-                self._samplers.pop(next(iter(self._samplers)))
+                free_sampler(self._samplers.pop(next(iter(self._samplers))))
             self._samplers[key] = self._make_sampler(s, ask, tools)
         return self._samplers[key], bool(tools) and ask.schema is None
 
@@ -308,8 +308,8 @@ class Served:
             grammar, triggers = (own, self.calls.triggers(tools)) if own else \
                 (loose_grammar(tools), self.calls.triggers(tools, own=False))
             return e.make_sampler(s, grammar, triggers)
-        except ValueError as exc:
-            raise RequestError(f"llama.cpp's grammar refuses this tool or response schema: {exc}") from None
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise RequestError(f"this tool or response schema cannot be turned into a grammar: {exc}") from None
 
     # ------------------------------------------------------------ keeping what was said
     def _keep(self, owner: Kept | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
@@ -321,6 +321,7 @@ class Served:
             owner = Kept(_new_store(), [], tools, [], origin=origin)
             owner.store.lock()
             self.kept.append(owner)
+            self._forget_least_used()
         if owner.written and owner.messages[:owner.written] != said[:owner.written]:
             self._rewrite_last_exchange(owner)  # its last reply came back otherwise than it was written
         owner.messages, owner.used = said, time.time()
@@ -330,6 +331,13 @@ class Served:
         self._target = self.prompts.next_prefix(said, tools)
         self._write_transcript(owner)
         return owner
+
+    def _forget_least_used(self) -> None:
+        """Past KEPT conversations, the least recently used leave memory and their locks (their sessions stay)."""
+        for k in sorted(self.kept, key=lambda c: c.used)[:max(0, len(self.kept) - KEPT)]:
+            if k is not self.live:
+                k.store.unlock()
+                self.kept.remove(k)
 
     def _rewrite_last_exchange(self, k: Kept) -> None:
         """The transcript's last exchange undone, to be written again as the client has it now."""
@@ -374,20 +382,22 @@ class Served:
         """One batch towards the next request's start, then the save; False when nothing is left."""
         e = self.engine
         if self._target and e.common_prefix(self._target) < len(self._target):
-            e.advance(self._target, e.config.n_batch)
+            if len(self._target) >= e.n_ctx or e.advance(self._target, e.config.n_batch) == (0, 0):
+                self._target = []  # past the context, or nothing left to evaluate: the next request does it
             return True
-        if self._dirty:
+        if self._dirty and self.live is not None:
             if self.due_in():
                 return False  # more requests may follow at once: the save waits for a pause (due_in)
             self._save()
             return True
-        self._settled = self._settled or self.session.writer.wait(timeout=30)  # the save is on disk
+        self._dirty = False
+        self._settled = self._settled or self.session.writer.wait(timeout=0)  # the save is on disk
         return False
 
     def due_in(self) -> float | None:
         """Seconds until the save is due (None: nothing to save)."""
         if not self._dirty:
-            return None
+            return None if self._settled else WRITE_POLL_S  # the write's end, for `settled`
         return max(0.0, SAVE_WHEN_QUIET_S - (time.monotonic() - self._last_request))
 
     def set_typed(self, text: str) -> None:

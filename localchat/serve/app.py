@@ -182,7 +182,7 @@ async def chat_completions(front: Front, request: Request, body: dict[str, Any])
     if not body.get("stream"):
         return JSONResponse(openai_api.completion(await turn.answer(request), front.model))
     usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    return await _streamed(turn, lambda events: openai_api.chunks(events, front.model, usage))
+    return await _streamed(request, turn, lambda events: openai_api.chunks(events, front.model, usage))
 
 
 async def messages(front: Front, request: Request, body: dict[str, Any]) -> Response:
@@ -190,7 +190,7 @@ async def messages(front: Front, request: Request, body: dict[str, Any]) -> Resp
     turn = Turn(front, ask)
     if not body.get("stream"):
         return JSONResponse(anthropic_api.message(await turn.answer(request), front.model))
-    return await _streamed(turn, lambda events: anthropic_api.events(events, front.model))
+    return await _streamed(request, turn, lambda events: anthropic_api.events(events, front.model))
 
 
 async def count_tokens(front: Front, request: Request, body: dict[str, Any]) -> Response:
@@ -200,11 +200,16 @@ async def count_tokens(front: Front, request: Request, body: dict[str, Any]) -> 
     return JSONResponse({"input_tokens": n})
 
 
-async def _streamed(turn: Turn, frames: Callable[[AsyncIterator[Event]], AsyncIterator[str]]) -> Response:
+async def _streamed(request: Request, turn: Turn, frames: Callable[[AsyncIterator[Event]], AsyncIterator[str]]
+                    ) -> Response:
     """The reply as server-sent events; a request that fails before its first word (a prompt past the context)
-    is answered with its error instead, its status a failure."""
+    is answered with its error instead, its status a failure. A client gone before then stops it too."""
     events = turn.stream()
-    first = await events.__anext__()
+    watch = asyncio.ensure_future(_watch_disconnect(request, turn.stop))
+    try:
+        first = await events.__anext__()
+    finally:
+        watch.cancel()
     if first[0] == "error":
         raise first[1]
 
