@@ -151,6 +151,14 @@ def test_a_json_schema_holds_the_answer_to_it(demo_server):
     assert answer["color"] in ("red", "green", "blue") and isinstance(answer["sure"], bool)
 
 
+def test_a_seeded_request_samples_the_same_twice(demo_server):
+    def ask() -> str:
+        return demo_server.openai().chat.completions.create(
+            model="demo", max_tokens=24, temperature=1.0, seed=7,
+            messages=[{"role": "user", "content": "Invent a name for a cat."}]).choices[0].message.content
+    assert ask() == ask()
+
+
 def test_tools_for_a_template_without_them_are_not_offered(demo_server):
     reply = demo_server.openai().chat.completions.create(model="demo", max_tokens=8, tools=TOOLS,
                                                          messages=[{"role": "user", "content": "Hi"}])

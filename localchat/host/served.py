@@ -257,7 +257,11 @@ class Served:
             stops=(*self.fmt.stop_strings, *ask.stop), cancelled=sink.cancelled, on_text=sink.text,
             on_thought=sink.thought, hold=self.calls.trigger if held else "",
             tools=tuple(t["function"]["name"] for t in ask.tools) if held else ())
-        reply = replystream.stream(self.engine, sampler, gen, opts)
+        try:
+            reply = replystream.stream(self.engine, sampler, gen, opts)
+        finally:
+            if ask.seed is not None:
+                free_sampler(sampler)
         answer = Answer(text=reply.answer, thought=reply.thought, completion_tokens=len(gen.tokens))
         if held:
             found = self.calls.find(raw_reply(self.engine, gen.tokens), ask.tools)
@@ -283,6 +287,8 @@ class Served:
         """The reply's sampler (kept for the next request alike) and whether calls are held to a grammar."""
         s = self._sampling(ask)
         tools = ask.tools if ask.tool_choice != "none" else []
+        if ask.seed is not None:  # its own, from the seed on: the caller frees it after the reply
+            return self._make_sampler(s, ask, tools), bool(tools) and ask.schema is None
         key = json.dumps([s.__dict__, tools, ask.tool_choice, ask.schema], sort_keys=True, default=str)
         if key not in self._samplers:
             if len(self._samplers) >= SAMPLERS:
