@@ -10,7 +10,7 @@ from typing import Any
 
 from localchat.errors import RequestError
 from localchat.host.asks import Answer, Ask
-from localchat.serve.fields import MAX_MESSAGES, number, text_of, tools_checked, whole
+from localchat.serve.fields import MAX_MESSAGES, function_tool, number, text_of, tools_checked, whole
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "cancelled": "end_turn"}
 
@@ -100,9 +100,7 @@ def _result(b: dict[str, Any], where: str, names: dict[str, str]) -> dict[str, A
 def _tool(t: Any, i: int) -> dict[str, Any]:
     if not isinstance(t, dict) or not isinstance(t.get("name"), str):
         raise RequestError(f"tools[{i}]: a tool with a name is expected")
-    schema = t.get("input_schema") or {"type": "object", "properties": {}}
-    return {"type": "function", "function": {"name": t["name"], "description": str(t.get("description") or ""),
-                                             "parameters": schema}}
+    return function_tool(t["name"], t.get("description"), t.get("input_schema"))
 
 
 def _choice(value: Any, tools: list[dict[str, Any]]) -> str:

@@ -54,6 +54,12 @@ def text_of(content: Any, where: str) -> str:
     return "\n".join(parts)
 
 
+def function_tool(name: str, description: Any, parameters: Any) -> dict[str, Any]:
+    """A tool in the one shape templates take (OpenAI's), whichever API it came in."""
+    return {"type": "function", "function": {"name": name, "description": str(description or ""),
+                                             "parameters": parameters or {"type": "object", "properties": {}}}}
+
+
 def tools_checked(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Tools (OpenAI's shape) with names a template and a grammar can take, each once."""
     if len(tools) > MAX_TOOLS:

@@ -10,7 +10,7 @@ from typing import Any
 
 from localchat.errors import RequestError
 from localchat.host.asks import Answer, Ask, arguments_text
-from localchat.serve.fields import MAX_MESSAGES, number, text_of, tools_checked, whole
+from localchat.serve.fields import MAX_MESSAGES, function_tool, number, text_of, tools_checked, whole
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "cancelled": "stop"}
 
@@ -81,9 +81,7 @@ def _tool(t: Any, i: int) -> dict[str, Any]:
     fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise RequestError(f"tools[{i}]: a function tool with a name is expected")
-    schema = fn.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "function", "function": {"name": fn["name"], "description": str(fn.get("description") or ""),
-                                             "parameters": schema}}
+    return function_tool(fn["name"], fn.get("description"), fn.get("parameters"))
 
 
 def _choice(value: Any, tools: list[dict[str, Any]]) -> str:
