@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from localchat.bench.history import score, write_history
+from localchat.bench.tasks import seed_memory
 from localchat.session.searchindex import SearchIndex
 from tests.conftest import run_cli
 
@@ -60,6 +61,33 @@ def test_a_rebuild_after_the_index_is_deleted_or_damaged_gives_the_same_results(
     assert rebuilt.notice.startswith("the search index was rebuilt from the transcripts")
     assert _all_results(rebuilt, queries) == first
     assert (path.stat().st_mode & 0o777) == 0o600
+
+
+def test_an_indexer_and_a_search_starting_on_no_index_at_once_both_see_every_session(tmp_path):
+    """A chat's first turn: its indexer thread and the model's search_conversations both find no index and
+    make it (each remade it under the other: "disk I/O error", 17 of 40 times before the lock)."""
+    import threading
+    seed_memory(tmp_path / "sessions")
+    for trial in range(20):
+        path, found, failed = tmp_path / f"search-{trial}.sqlite", [], []
+
+        def run(job) -> None:
+            try:
+                job(SearchIndex(path, tmp_path / "sessions"))
+            except Exception as exc:  # what a search hands the model as "cannot be searched here"
+                failed.append(repr(exc))
+
+        def search(index: SearchIndex) -> None:
+            index.refresh()
+            found.extend(h.text for h in index.search("wifi password", 5))
+
+        jobs = [threading.Thread(target=run, args=(lambda index: index.update("past-1"),)),
+                threading.Thread(target=run, args=(search,))]
+        for job in jobs:
+            job.start()
+        for job in jobs:
+            job.join()
+        assert not failed and any("K7Q2" in text for text in found), (trial, failed, found)
 
 
 def test_a_query_fts5_cannot_parse_is_searched_as_words(history):

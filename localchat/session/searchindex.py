@@ -12,6 +12,7 @@ not in the index itself (a typo); a query FTS5 cannot parse is searched as plain
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -98,6 +99,21 @@ class SearchIndex:
 
     def _open(self) -> sqlite3.Connection:
         private_dir(self.path.parent)
+        with self._making():
+            return self._checked_or_made()
+
+    @contextlib.contextmanager
+    def _making(self) -> Iterator[None]:
+        """Held while the index is opened and, if need be, made: a chat's indexer and its model's search (or
+        two chats) starting on no index would each remake it under the other (measured: 17 of 40 searches failed)."""
+        fd = os.open(f"{self.path}.lock", os.O_WRONLY | os.O_CREAT, PRIVATE_FILE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _checked_or_made(self) -> sqlite3.Connection:
         fresh = not self.path.exists()
         try:
             db = self._connect()
