@@ -205,9 +205,10 @@ def plan_for(profile: Profile, info: ModelInfo, report: Report | None = None) ->
 
 
 def engine_config(profile: Profile, info: ModelInfo, n_ctx: int, verbose: bool, cores: int = 0,
-                  plan: MemoryPlan | None = None) -> EngineConfig:
+                  plan: MemoryPlan | None = None, sequences: int = 1) -> EngineConfig:
     """`cores`: the thread count auto starts from (0: every logical CPU); `plan`: the devices it placed
-    the model on (without one, llama.cpp's own choice). The settings of the same name are the profile's."""
+    the model on (without one, llama.cpp's own choice); `sequences`: llama.cpp sequences sharing the context's
+    cells (the server parks conversations in them). The settings of the same name are the profile's."""
     cards = [d.name for d in plan.devices] if plan and plan.gpu else []
     split = plan.shares if plan and len(cards) > 1 else []
     main = cards.index(f"CUDA{profile.main_gpu}") if profile.split_mode == "row" and len(cards) > 1 else 0
@@ -218,7 +219,7 @@ def engine_config(profile: Profile, info: ModelInfo, n_ctx: int, verbose: bool, 
         tensor_split=tuple(split), main_gpu=main, model_path=str(info.path), n_ctx=n_ctx,
         n_threads=thread_count(profile.n_threads) or cores,
         n_threads_batch=thread_count(profile.n_threads_batch) or cores, verbose=verbose,
-        pinned_bytes=pinned_bytes(plan))
+        pinned_bytes=pinned_bytes(plan), sequences=sequences)
 
 
 def pinned_bytes(plan: MemoryPlan | None) -> int:
@@ -356,8 +357,10 @@ def open_draft(profile: Profile, plan: MemoryPlan, engine: Engine, report: Repor
     return DraftModel(draft)
 
 
-def open_runtime(profile: Profile, report: Report, verbose: bool = False, explicit_ctx: bool = False) -> Runtime:
-    """`explicit_ctx`: n_ctx came from the command line (then above the trained context is an error)."""
+def open_runtime(profile: Profile, report: Report, verbose: bool = False, explicit_ctx: bool = False,
+                 sequences: int = 1) -> Runtime:
+    """`explicit_ctx`: n_ctx came from the command line (then above the trained context is an error);
+    `sequences`: as engine_config."""
     # the other processes' load is measured from here to after the model loaded
     threads = ThreadFit(thread_count(profile.n_threads), thread_count(profile.n_threads_batch))
     requested = profile
@@ -368,7 +371,7 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
     plan = plan_for(profile, info, report)
     for endpoint in profile.rpc_servers if plan.gpu else ():
         register_rpc(endpoint)  # answered rpc.probe in cards_for: ggml aborts on a server that does not
-    engine = Engine(engine_config(profile, info, plan.n_ctx, verbose, threads.cores, plan))
+    engine = Engine(engine_config(profile, info, plan.n_ctx, verbose, threads.cores, plan, sequences))
     try:
         engine.check_finite()
         fmt = chat_format(engine, has_template=info.has_chat_template)

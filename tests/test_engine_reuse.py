@@ -6,6 +6,7 @@ import copy
 
 from localchat.engine import Generation, SamplingConfig
 from tests.conftest import greedy_chat, make_engine
+from tests.test_images import last_logits
 from tests.test_templates import THINK_STRIPPING
 
 QUESTIONS = ["What is the capital of France?", "And of Germany?", "Name a river there.",
@@ -222,3 +223,46 @@ def test_a_prompt_evaluated_ahead_with_its_logits_is_sampled_without_evaluating_
     e.truncate(len(prompt) - 1)
     e.advance(prompt, 64)  # no logits asked: the last token's are not kept
     assert e.logits_end == -1 and e.prefill(prompt).recomputed == 1
+
+
+def test_a_parked_sequence_comes_back_exact_and_gives_its_cells_when_asked(demo_path, gemma_path):
+    """A conversation parked in a second llama.cpp sequence while another is evaluated comes back with the same
+    tokens and the same next-token logits; when the context runs out of cells the engine asks for room, and a
+    model with a sliding window keeps one sequence."""
+    import numpy as np
+
+    e = make_engine(demo_path, n_ctx=512, sequences=4)
+    try:
+        a = e.tokenize("The capital of France is Paris. The capital of Italy is", False, False)
+        b = e.tokenize("Once upon a time there was a dragon who", False, False)
+        e.prefill(a)
+        before = last_logits(e)
+        assert e.park(1)
+        e.prefill(b)
+        assert e.unpark(1, a) and e.tokens == a and e.n_kv == len(a)
+        e.prefill(a)  # the last token evaluated again for its logits: nothing else
+        assert np.allclose(last_logits(e), before, atol=1e-4)
+        words = e.tokenize("word " * 400, False, False)[:300]
+        e.clear()
+        e.prefill(words)
+        assert e.park(2)
+        asked: list[int] = []
+
+        def make_room() -> bool:
+            if asked:
+                return False
+            asked.append(1)
+            e.drop(2)
+            return True
+        e.when_full(make_room)
+        e.clear()
+        e.prefill(e.tokenize("hello " * 400, False, False)[:300])  # 600 cells in 512: room made by the drop
+        assert asked == [1] and e.n_kv == 300
+    finally:
+        e.close()
+    g = make_engine(gemma_path, n_ctx=1024, sequences=4)
+    try:
+        assert g.sequences == 1 and not g.park(1)
+    finally:
+        g.close()
+

@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 from localchat.engine import EngineConfig, cpu_has_amx
 
@@ -25,8 +26,10 @@ def _common_flags(c: EngineConfig) -> list[str]:
 class PeerServer:
     """llama-server on loopback with one slot, the same model and settings as localchat."""
 
-    def __init__(self, path: str, c: EngineConfig, template: str = "", flags: tuple[str, ...] = ()):
-        """`template`: a chat template file, rendered by llama-server's own Jinja (--jinja): tool calls."""
+    def __init__(self, path: str, c: EngineConfig, template: str = "", flags: tuple[str, ...] = (),
+                 log: Path | None = None):
+        """`template`: a chat template file, rendered by llama-server's own Jinja (--jinja): tool calls; `log`:
+        where its own log goes (its timings per request)."""
         self.port = _free_port()
         cmd = [path, *_common_flags(c), "-c", str(c.n_ctx), "-b", str(c.n_batch), "-ub", str(c.n_ubatch),
                "-fa", "on" if c.flash_attn else "off", "-ctk", c.type_k, "-ctv", c.type_v, "-np", "1",
@@ -36,7 +39,8 @@ class PeerServer:
         cmd += flags
         if cpu_has_amx():
             cmd.append("--no-repack")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                     stderr=log.open("ab") if log is not None else subprocess.DEVNULL)
 
     def __enter__(self) -> PeerServer:
         deadline = time.time() + 300

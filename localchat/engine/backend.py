@@ -192,12 +192,13 @@ def model_params(config: EngineConfig) -> lc.llama_model_params:
     return params
 
 
-def context_params(config: EngineConfig) -> lc.llama_context_params:
+def context_params(config: EngineConfig, sequences: int = 1) -> lc.llama_context_params:
     params = lc.llama_context_default_params()
     params.n_ctx = config.n_ctx
     params.n_batch = config.n_batch
     params.n_ubatch = min(config.n_ubatch, config.n_batch)
-    params.n_seq_max = 1
+    params.n_seq_max = sequences
+    params.kv_unified = sequences > 1  # parked sequences take the one context's free cells, not a share each
     params.n_threads, params.n_threads_batch = config.threads(), config.batch_threads()
     params.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
                               else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)

@@ -43,7 +43,8 @@ class Engine(VocabText):
         if not self.model:
             raise ModelError(explain(config.model_path, LOAD_LOG.reason()))
         self.vocab = lc.llama_model_get_vocab(self.model)
-        self.ctx = lc.llama_init_from_model(self.model, context_params(config))
+        self.sequences = config.sequences if _parks(self.model) else 1
+        self.ctx = lc.llama_init_from_model(self.model, context_params(config, self.sequences))
         # kind (model, KV, compute, output) -> buffer (CPU, CUDA0, CUDA_Host) -> bytes llama.cpp allocated
         self.buffers = buffers()
         self.kv_buffers = self.buffers.get("KV", {})
@@ -89,6 +90,7 @@ class Engine(VocabText):
         self._embd_own_pos = 0  # the address of the image batch's own positions array
         # state copies through pinned memory: llama.cpp copies a state through the caller's buffer
         self.staging = Staging(config.pinned_bytes) if config.pinned_bytes and self.overlaps else None
+        self._make_room: Callable[[], bool] | None = None  # see when_full
 
     # ------------------------------------------------------------------ vocabulary
     # ------------------------------------------------------------------ KV bookkeeping
@@ -122,8 +124,46 @@ class Engine(VocabText):
         return done
 
     def _clear_kv(self) -> None:
-        lc.llama_memory_clear(self.mem, True)
+        if self.sequences > 1:  # the parked sequences stay
+            lc.llama_memory_seq_rm(self.mem, SEQ, -1, -1)
+        else:
+            lc.llama_memory_clear(self.mem, True)
         self.positions.clear()
+
+    # ------------------------------------------------------------------ parked sequences
+    def park(self, seq: int) -> bool:
+        """The KV's evaluated tokens kept in sequence `seq` too (their cells shared, nothing copied), to `unpark`
+        later; False where this context has no such sequence or the history holds placed image chunks."""
+        if not 0 < seq < self.sequences or self.positions.ends or not self.n_kv:
+            return False
+        lc.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        lc.llama_memory_seq_cp(self.mem, SEQ, seq, 0, self.n_kv)
+        return True
+
+    def unpark(self, seq: int, tokens: list[int]) -> bool:
+        """The KV becomes what `seq` holds (`tokens`, as parked); the sequence is free again."""
+        self._clear_kv()
+        self.tokens, self.n_kv, self.logits_end = [], 0, -1
+        lc.llama_memory_seq_cp(self.mem, seq, SEQ, -1, -1)
+        lc.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        if not tokens or lc.llama_memory_seq_pos_max(self.mem, SEQ) != len(tokens) - 1:
+            self._clear_kv()
+            return False
+        self.tokens, self.n_kv = list(tokens), len(tokens)
+        return True
+
+    def drop(self, seq: int) -> None:
+        """A parked sequence's cells freed (those it shares stay with the others)."""
+        lc.llama_memory_seq_rm(self.mem, seq, -1, -1)
+
+    def when_full(self, make_room: Callable[[], bool]) -> None:
+        """`make_room` is asked when llama.cpp finds no free cells (parked sequences hold them): True if it freed
+        some (the evaluation is tried again)."""
+        self._make_room = make_room
+
+    def _room_made(self, rc: int) -> bool:
+        """After llama.cpp found no free cells (rc 1): whether parked sequences gave some back (then try again)."""
+        return rc == 1 and self._make_room is not None and self._make_room()
 
     def truncate(self, n: int) -> None:
         """Cut the history back to its first n tokens (undo, stop strings)."""
@@ -180,6 +220,8 @@ class Engine(VocabText):
         self.logits_end = start_pos + real if want_logits and not all_logits else -1
         self.drawn_in_graph = want_logits and self.graph_draw is not None and self.graph_draw.attached
         rc = lc.llama_decode(self.ctx, b)
+        while rc != 0 and self._room_made(rc):
+            rc = lc.llama_decode(self.ctx, b)
         if rc != 0:
             raise ModelError(f"llama_decode failed (code {rc}): the KV cache is full or out of memory")
         if pad and not lc.llama_memory_seq_rm(self.mem, SEQ, first + real, -1):
@@ -242,6 +284,8 @@ class Engine(VocabText):
             lc.llama_set_causal_attn(self.ctx, False)
         try:
             rc = lc.llama_decode(self.ctx, batch)
+            while rc != 0 and self._room_made(rc):
+                rc = lc.llama_decode(self.ctx, batch)
         finally:  # a Ctrl-C raised as the call returns must not leave our array for llama_batch_free to free
             batch.pos = ctypes.cast(self._embd_own_pos, ctypes.POINTER(lc.llama_pos))
             if emb.non_causal:
@@ -507,16 +551,16 @@ class Engine(VocabText):
         lc.llama_perf_context_reset(self.ctx)
         self.padded = 0
 
-    def state_bytes(self) -> memoryview:
-        """Copy this sequence's KV (the evaluated tokens) out of llama.cpp: one copy, no more; through the
-        pinned buffer where it is free (then `state_done` once the copy is written)."""
-        size = lc.llama_state_seq_get_size(self.ctx, SEQ)
+    def state_bytes(self, seq: int = SEQ) -> memoryview:
+        """Copy a sequence's KV (the working one's evaluated tokens, or a parked one) out of llama.cpp: one
+        copy, no more; through the pinned buffer where it is free (then `state_done` once the copy is written)."""
+        size = lc.llama_state_seq_get_size(self.ctx, seq)
         pinned = self.staging.lend(size) if self.staging is not None else None
         if pinned is not None:
-            written = lc.llama_state_seq_get_data(self.ctx, pinned.array, size, SEQ)
+            written = lc.llama_state_seq_get_data(self.ctx, pinned.array, size, seq)
             return pinned.view(written)
         data = bytearray(size)
-        written = lc.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(data), size, SEQ)
+        written = lc.llama_state_seq_get_data(self.ctx, (ctypes.c_uint8 * size).from_buffer(data), size, seq)
         return memoryview(data)[:written]
 
     def staged(self, size: int) -> memoryview | None:
@@ -540,7 +584,10 @@ class Engine(VocabText):
         else:
             buf = (ctypes.c_uint8 * len(view)).from_buffer(view) if not view.readonly else \
                 (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
-        if lc.llama_state_seq_set_data(self.ctx, buf, len(view), SEQ) == 0:
+        loaded = lc.llama_state_seq_set_data(self.ctx, buf, len(view), SEQ)
+        while loaded == 0 and self._room_made(1):  # parked sequences hold the cells it needs
+            loaded = lc.llama_state_seq_set_data(self.ctx, buf, len(view), SEQ)
+        if loaded == 0:
             self._clear_kv()
             return False
         placed = self._positions_from(tokens)
@@ -583,6 +630,12 @@ class Engine(VocabText):
                 self.graph_draw.free()
             lc.llama_model_free(self.model)
             self.ctx = None
+
+
+def _parks(model: object) -> bool:
+    """Whether a sequence parks whole in this model's KV (a sliding window's or a recurrent state's would need a
+    share of their own each)."""
+    return not (lc.llama_model_n_swa(model) or lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model))
 
 
 def _stamp(gen: Generation, i: int, at: float) -> None:

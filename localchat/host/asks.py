@@ -41,6 +41,7 @@ class Ask:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     schema: dict[str, Any] | None = None  # the answer a JSON value of this schema ({}: any JSON object)
+    received: float = 0.0  # perf_counter when the request arrived: its stages are timed from there
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Answer:
     loaded_tokens: int = 0  # of those, read from a saved state
     completion_tokens: int = 0
     conversation: str = ""  # the session it was kept in
+    stages: dict[str, float] = field(default_factory=dict)  # ms from the request's arrival to each stage
 
     @property
     def evaluated(self) -> int:

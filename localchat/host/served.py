@@ -1,11 +1,13 @@
 """The conversations other programs hold with the model (`localchat serve`), each kept as a session.
 
 A request brings its whole history. Its prompt (asks.Prompts: the official form, tokenized as the chat
-tokenizes) is evaluated from the longest token prefix any kept conversation holds: the one in the KV now, a
-copy kept in memory, or a state saved on disk (checked before llama.cpp sees it), so a client re-sending its
-history evaluates only what is new, and one that edits an early message pays from there on. Between requests
-the KV is brought to what the next request will start with (the reply as the template writes it back, the
-next message's header), and the conversation's state is saved, so a restarted server resumes it too.
+tokenizes) is evaluated from the longest token prefix any kept conversation holds: the one in the KV now, one
+parked in another llama.cpp sequence of the same context (its cells kept where the context has room: nothing
+copied), a copy kept in memory, or a state saved on disk (checked before llama.cpp sees it), so a client
+re-sending its history evaluates only what is new, and one that edits an early message pays from there on.
+Between requests the KV is brought to what the next request will start with (the reply as the template writes
+it back, the next message's header), and the conversations' states are saved, so a restarted server resumes
+them too.
 
 A request continues the kept conversation whose messages open its own (a client's next turn); any other is
 a new conversation (a new client, or one that edited an earlier message: a fork, whose KV is shared up to
@@ -49,6 +51,7 @@ NAME_PREFIX = "served-"
 SERVED_FILE = "served.json"  # the messages as the client sent them (and its origin): how its next request is known
 KEPT = 64  # conversations kept at hand (a start looks at the most recent; the least used leave memory)
 MIN_GAIN = 32  # tokens a load must save over what the KV holds to be worth a copy in or out
+PARKED = 7  # conversations kept in llama.cpp sequences beside the working one, while the context has room
 RAM_COPIES = 4  # conversations kept in memory beside the one in the KV
 SAMPLERS = 16  # sampler chains kept for reuse (a grammar's is costly to make)
 WARM_UP_TOKENS = 512
@@ -64,6 +67,8 @@ class Kept:
     tools: list[dict[str, Any]]
     tokens: list[int]  # what its KV holds: in the engine, in `copy`, or in the state on disk
     copy: memoryview | None = None  # its state in memory, while it is not in the engine
+    seq: int = 0  # the llama.cpp sequence it is parked in (0: not parked)
+    unsaved: bool = False  # parked or copied, its KV is newer than its state on disk
     on_disk: list[int] = field(default_factory=list)  # the tokens of its state on disk
     written: int = 0  # messages in its transcript
     origin: str = ""  # the conversation it was forked from
@@ -87,6 +92,7 @@ class Served:
         self._samplers: dict[str, object] = {}
         self.indexer: Indexer | None = None
         self.requests = 0
+        self.engine.when_full(self._make_room)
         self._load_kept()
 
     def warm_up(self) -> None:
@@ -134,16 +140,21 @@ class Served:
         here = self.engine.common_prefix(prompt)
         best, best_len = None, here + MIN_GAIN
         for k in self.kept:
-            if k is self.live or not (k.copy is not None or k.on_disk):
+            if k is self.live or not (k.seq or k.copy is not None or k.on_disk):
                 continue
-            n = _common(k.tokens if k.copy is not None else k.on_disk, prompt)
+            n = _common(k.tokens if k.seq or k.copy is not None else k.on_disk, prompt)
             if n > best_len:
                 best, best_len = k, n
         return best, (best_len if best is not None else here)
 
     def _bring(self, k: Kept) -> int:
         """Load k's KV into the engine (the live one set aside first); tokens loaded from disk (0 from memory)."""
-        self._set_aside([])
+        self._set_aside([], keep=k)
+        if k.seq:
+            seq, k.seq = k.seq, 0
+            if self.engine.unpark(seq, k.tokens):
+                self.live, self._dirty = k, k.unsaved
+                return 0
         if k.copy is not None:
             if self.engine.load_state(k.copy, k.tokens):
                 k.copy, self.live = None, k
@@ -161,14 +172,20 @@ class Served:
         k.tokens, self.live = list(header.tokens), k
         return len(header.tokens)
 
-    def _set_aside(self, prompt: list[int]) -> None:
-        """The live conversation leaves the KV for a request that keeps less than half of it: a copy kept in
-        memory (the oldest copies dropped), its state saved first where the disk does not hold it yet. One that
-        keeps more (a fork) leaves it in the KV, its saved state as it was."""
+    def _set_aside(self, prompt: list[int], keep: Kept | None = None) -> None:
+        """The live conversation leaves the KV: parked in a sequence of its own where one is free (the least
+        used parked one, not `keep`, leaves for memory if none is), else for a request that keeps less than half
+        of it a copy kept in memory (the oldest copies dropped), its state saved first where the disk does not
+        hold it yet; one that keeps more (a fork) leaves it in the KV, its saved state as it was."""
         k = self.live
         if k is None or self.engine.n_kv == 0:
             return
         self.live = None
+        seq = self._free_sequence(keep)
+        if seq and self.engine.park(seq):
+            k.tokens, k.seq, k.unsaved, k.copy, self._dirty = self.engine.tokens[:self.engine.n_kv], seq, \
+                self._dirty, None, False
+            return
         if 2 * self.engine.common_prefix(prompt) >= self.engine.n_kv:
             k.tokens, self._dirty = k.on_disk, False  # its tail since the last save is the fork's to keep now
             return
@@ -189,9 +206,39 @@ class Served:
             else:
                 budget, count = budget - other.copy.nbytes, count + 1
 
+    def _free_sequence(self, keep: Kept | None = None) -> int:
+        """A sequence to park in (0: this context has none): a free one, or the least used parked conversation's
+        (not `keep`), which leaves for memory."""
+        taken = {k.seq for k in self.kept if k.seq}
+        free = [s for s in range(1, self.engine.sequences) if s not in taken]
+        if free:
+            return free[0]
+        parked = sorted((k for k in self.kept if k.seq and k is not keep), key=lambda c: c.used)
+        return self._unpark_to_memory(parked[0]) if parked else 0
+
+    def _unpark_to_memory(self, k: Kept) -> int:
+        """A parked conversation's KV copied into memory (saved first if the disk lacks it) and its cells freed;
+        its sequence."""
+        seq, view = k.seq, self.engine.state_bytes(k.seq)
+        k.copy, k.seq = memoryview(bytearray(view)), 0
+        self.engine.state_done(view)
+        self.engine.drop(seq)
+        if k.unsaved:
+            self._save_state(k, k.copy, k.tokens)
+        return seq
+
+    def _make_room(self) -> bool:
+        """llama.cpp found no free cells: the least used parked conversation leaves for memory (False: none)."""
+        parked = sorted((k for k in self.kept if k.seq), key=lambda c: c.used)
+        if not parked:
+            return False
+        self._unpark_to_memory(parked[0])
+        return True
+
     # ------------------------------------------------------------ a request
     def complete(self, ask: Ask, sink: TurnSink) -> Answer:
         """Answer one request: its prompt evaluated from the longest prefix kept, then the reply."""
+        stages = _Stages(ask.received)
         messages = normalised(ask.messages)
         check_messages(messages)
         if ask.tools and not self.calls.kind:  # the template would not render them: the model cannot call them
@@ -200,6 +247,7 @@ class Served:
             ask = replace(ask, tools=[], tool_choice="auto")
         self.requests += 1
         prompt = self.prompts.prompt(messages, ask.tools)
+        stages.stamp("prompt")
         room = self.engine.n_ctx - len(prompt)
         if room < 1:
             raise RequestError(f"the prompt ({len(prompt)} tokens) does not fit the context ({self.engine.n_ctx} "
@@ -209,9 +257,11 @@ class Served:
         if previous is not None and previous is not owner:
             self._set_aside(prompt)  # the KV moves on from the conversation it holds
         loaded = self._bring(source) if source is not None else 0
+        stages.stamp("kv")
         try:
             done = self.engine.prefill(prompt, cancelled=sink.cancelled)
-            answer = self._reply(ask, min(ask.max_tokens or room, room), sink)
+            stages.stamp("prefill_queued")
+            answer = self._reply(ask, min(ask.max_tokens or room, room), stages.timed(sink), stages)
             if answer.calls and _repeats(answer, messages):
                 answer = self._answer_instead(ask, messages, answer, sink)
         except Cancelled:  # the client went away: nothing to answer or keep
@@ -219,10 +269,11 @@ class Served:
         answer.prompt_tokens, answer.cached_tokens = len(prompt), done.cached
         answer.loaded_tokens = min(loaded, done.cached)
         k = self._keep(owner, messages, ask.tools, answer, previous.store.name if previous is not None else "")
-        answer.conversation = k.store.name
+        answer.conversation, answer.stages = k.store.name, stages.ms
         log.info("request %d (%s): %d prompt tokens, %d cached (%d from disk), %d evaluated, %d generated; "
-                 "prefill %.3f s", self.requests, k.store.name, answer.prompt_tokens, answer.cached_tokens,
-                 answer.loaded_tokens, answer.evaluated, answer.completion_tokens, done.seconds)
+                 "ms from arrival: %s", self.requests, k.store.name, answer.prompt_tokens, answer.cached_tokens,
+                 answer.loaded_tokens, answer.evaluated, answer.completion_tokens,
+                 ", ".join(f"{name} {ms:.1f}" for name, ms in sorted(stages.ms.items(), key=lambda kv: kv[1])))
         return answer
 
     def count(self, ask: Ask) -> int:
@@ -248,7 +299,7 @@ class Served:
         answer.completion_tokens += repeat.completion_tokens
         return answer
 
-    def _reply(self, ask: Ask, most: int, sink: TurnSink) -> Answer:
+    def _reply(self, ask: Ask, most: int, sink: TurnSink, stages: _Stages | None = None) -> Answer:
         sampler, held = self._sampler(ask)
         prime_sampler(sampler, self._sampling(ask), self.engine.tokens)
         gen = Generation(tokens=[])
@@ -262,6 +313,8 @@ class Served:
         finally:
             if ask.seed is not None:
                 free_sampler(sampler)
+        if stages is not None and gen.first_token_at:
+            stages.stamp("first_token", gen.first_token_at)
         answer = Answer(text=reply.answer, thought=reply.thought, completion_tokens=len(gen.tokens))
         if held:
             found = self.calls.find(raw_reply(self.engine, gen.tokens), ask.tools)
@@ -331,8 +384,11 @@ class Served:
         if owner.written and owner.messages[:owner.written] != said[:owner.written]:
             self._rewrite_last_exchange(owner)  # its last reply came back otherwise than it was written
         owner.messages, owner.used = said, time.time()
+        if owner.seq:  # it went on from another conversation's KV: its parked one is stale
+            self.engine.drop(owner.seq)
         owner.tokens = self.engine.tokens[:self.engine.n_kv]
-        owner.copy, self.live, self._dirty, self._settled = None, owner, True, False
+        owner.copy, owner.seq, owner.unsaved = None, 0, False
+        self.live, self._dirty, self._settled = owner, True, False
         self._last_request = time.monotonic()
         self._target = self.prompts.next_prefix(said, tools)
         self._write_transcript(owner)
@@ -342,6 +398,9 @@ class Served:
         """Past KEPT conversations, the least recently used leave memory and their locks (their sessions stay)."""
         for k in sorted(self.kept, key=lambda c: c.used)[:max(0, len(self.kept) - KEPT)]:
             if k is not self.live:
+                if k.seq:
+                    self._unpark_to_memory(k)  # saved first where the disk lacks it
+                k.copy = None
                 k.store.unlock()
                 self.kept.remove(k)
 
@@ -372,8 +431,16 @@ class Served:
         if k is None or self.engine.n_kv == 0:
             return
         payload, tokens, _ = self.kv.copy_out()
+        self._dirty = False
+        self._save_state(k, payload, tokens)
+
+    def _save_parked(self, k: Kept) -> None:
+        self._save_state(k, self.engine.state_bytes(k.seq), k.tokens)
+
+    def _save_state(self, k: Kept, payload: memoryview, tokens: list[int]) -> None:
+        """A conversation's KV copy written to its session in the background (the meta after it)."""
         kv, store, turns = self.kv, k.store, sum(1 for m in k.messages if m["role"] == "user")
-        self._dirty, k.on_disk = False, list(tokens)
+        k.on_disk, k.unsaved = list(tokens), False
 
         def job() -> None:
             header = kv.write(store.state, payload, tokens)
@@ -391,10 +458,14 @@ class Served:
             if len(self._target) >= e.n_ctx or e.advance(self._target, e.config.n_batch) == (0, 0):
                 self._target = []  # past the context, or nothing left to evaluate: the next request does it
             return True
-        if self._dirty and self.live is not None:
+        parked = [k for k in self.kept if k.seq and k.unsaved]
+        if (self._dirty and self.live is not None) or parked:
             if self.due_in():
                 return False  # more requests may follow at once: the save waits for a pause (due_in)
-            self._save()
+            if self._dirty and self.live is not None:
+                self._save()
+            else:
+                self._save_parked(parked[0])
             return True
         self._dirty = False
         self._settled = self._settled or self.session.writer.wait(timeout=0)  # the save is on disk
@@ -402,7 +473,7 @@ class Served:
 
     def due_in(self) -> float | None:
         """Seconds until the save is due (None: nothing to save)."""
-        if not self._dirty:
+        if not self._dirty and not any(k.seq and k.unsaved for k in self.kept):
             return None if self._settled else WRITE_POLL_S  # the write's end, for `settled`
         return max(0.0, SAVE_WHEN_QUIET_S - (time.monotonic() - self._last_request))
 
@@ -412,6 +483,9 @@ class Served:
     def close(self) -> None:
         if self._dirty:
             self._save()
+        for k in self.kept:
+            if k.seq and k.unsaved:
+                self._save_parked(k)
         self.session.writer.wait(timeout=120)
         if self.indexer is not None:
             self.indexer.wait(10)
@@ -420,8 +494,29 @@ class Served:
 
     def health(self) -> dict[str, Any]:
         return {"conversations": len(self.kept), "in_memory": sum(1 for k in self.kept if k.copy is not None),
+                "parked": sum(1 for k in self.kept if k.seq),
                 "kv_tokens": self.engine.n_kv, "n_ctx": self.engine.n_ctx, "requests": self.requests,
                 "settled": self._settled}
+
+
+class _Stages:
+    """When a request reached each stage, in ms from its arrival (the server's log line tells where its time went)."""
+
+    def __init__(self, received: float):
+        self.start = received or time.perf_counter()
+        self.ms: dict[str, float] = {}
+        self.stamp("engine")
+
+    def stamp(self, stage: str, at: float = 0.0) -> None:
+        self.ms.setdefault(stage, round(((at or time.perf_counter()) - self.start) * 1e3, 1))
+
+    def timed(self, sink: TurnSink) -> TurnSink:
+        """The sink, its first text stamped as it is handed to the HTTP side."""
+        def text(piece: str) -> None:
+            self.stamp("first_text")
+            if sink.text is not None:
+                sink.text(piece)
+        return replace(sink, text=text)
 
 
 def _common(a: list[int], b: list[int]) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from localchat import runtime
 from localchat.errors import UsageError
 from localchat.host.scheduler import Scheduler
-from localchat.host.served import Served
+from localchat.host.served import PARKED, Served
 from localchat.session.lifecycle import Session
 from localchat.settings import Profile
 
@@ -50,7 +50,8 @@ def run(profile: Profile, host: str, port: int, api_key: str, report: Callable[[
     served_log.addHandler(handler)
     served_log.setLevel(logging.INFO)
     served_log.propagate = False
-    with runtime.open_runtime(profile, report, verbose=verbose, explicit_ctx=explicit_ctx) as rt:
+    with runtime.open_runtime(profile, report, verbose=verbose, explicit_ctx=explicit_ctx,
+                              sequences=PARKED + 1) as rt:
         session = Session(rt, None, report, autosave=False, prefix_store=True)
         served = Served(session)
         served.warm_up()

@@ -9,9 +9,10 @@ import hmac
 import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -45,7 +46,8 @@ class Front:
 class Turn:
     """One request's answer, handed from the engine's thread to the HTTP task as events."""
 
-    def __init__(self, front: Front, ask: Ask):
+    def __init__(self, front: Front, ask: Ask, request: Request):
+        ask = replace(ask, received=request.state.arrived)
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.stop = threading.Event()
@@ -140,6 +142,7 @@ def _authorized(front: Front, request: Request) -> bool:
 def make_app(front: Front) -> Starlette:
     def api(shape: Any, handler: Callable[[Front, Request, dict[str, Any]], Any], parse: bool = True) -> Any:
         async def endpoint(request: Request) -> Response:
+            request.state.arrived = time.perf_counter()
             try:
                 if not _authorized(front, request):
                     raise BadRequest(401, "authentication_error", "a valid API key is required (--api-key)")
@@ -178,7 +181,7 @@ async def models(front: Front, request: Request, body: dict[str, Any]) -> Respon
 
 async def chat_completions(front: Front, request: Request, body: dict[str, Any]) -> Response:
     ask = openai_api.ask_from(body, front.served.engine.n_ctx)
-    turn = Turn(front, ask)
+    turn = Turn(front, ask, request)
     if not body.get("stream"):
         return JSONResponse(openai_api.completion(await turn.answer(request), front.model))
     usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -187,7 +190,7 @@ async def chat_completions(front: Front, request: Request, body: dict[str, Any])
 
 async def messages(front: Front, request: Request, body: dict[str, Any]) -> Response:
     ask = anthropic_api.ask_from(body, front.served.engine.n_ctx)
-    turn = Turn(front, ask)
+    turn = Turn(front, ask, request)
     if not body.get("stream"):
         return JSONResponse(anthropic_api.message(await turn.answer(request), front.model))
     return await _streamed(request, turn, lambda events: anthropic_api.events(events, front.model))
