@@ -149,7 +149,30 @@ def _session_row(s: SessionDir) -> dict:
     conv = s.conversation()
     return {"name": s.name, "turns": conv.turns, "tokens": m.get("tokens", len(conv.window_tokens())),
             "model": m.get("model", {}).get("name"), "size": s.size_on_disk(), "last_used": m.get("updated"),
-            "profile": m.get("profile")}
+            "profile": m.get("profile"), "origin": s.read_origin() or None}
+
+
+def as_tree(rows: list[dict]) -> list[tuple[int, dict]]:
+    """The rows with each fork under the session it came from: (depth, row), a session's forks in their order
+    (a fork whose origin is gone, or origins that loop, at the top)."""
+    names = {r["name"] for r in rows}
+    forks: dict[str, list[dict]] = {}
+    for r in rows:
+        origin = str((r["origin"] or {}).get("session", ""))
+        forks.setdefault(origin if origin in names and origin != r["name"] else "", []).append(r)
+    out: list[tuple[int, dict]] = []
+    seen: set[str] = set()
+
+    def add(row: dict, depth: int) -> None:
+        if row["name"] in seen:
+            return
+        seen.add(row["name"])
+        out.append((depth, row))
+        for fork in forks.get(row["name"], []):
+            add(fork, depth + 1)
+    for row in [*forks.get("", []), *rows]:
+        add(row, 0)
+    return out
 
 
 def verify_session(s: SessionDir) -> list[str]:
@@ -227,10 +250,12 @@ def cmd_sessions(argv: Sequence[str]) -> int:
         rows = [_session_row(s) for s in list_sessions()]
         if args.json:
             print_json(rows)
-        for r in rows if not args.json else []:
+        for depth, r in as_tree(rows) if not args.json else []:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["last_used"])) if r["last_used"] else "-"
-            _out(f"{r['name']:<28} {r['turns']:>4} turns {r['tokens']:>7} tok  {r['size'] / 1e6:>8.1f} MB  "
-                 f"{when}  {r['model'] or '-'}")
+            name = f"{'  ' * (depth - 1)}└ {r['name']}" if depth else r["name"]
+            fork = f"  (fork of {r['origin']['session']} at turn {r['origin']['turn']})" if depth else ""
+            _out(f"{name:<28} {r['turns']:>4} turns {r['tokens']:>7} tok  {r['size'] / 1e6:>8.1f} MB  "
+                 f"{when}  {r['model'] or '-'}{fork}")
         return 0
     if not args.name:
         raise SessionError(f"'sessions {args.action}' needs a session name")

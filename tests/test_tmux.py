@@ -181,3 +181,26 @@ def test_a_whole_tool_loop_in_a_real_terminal(home, tmp_path, tools_model):
         t.quit()
     finally:
         t.kill()
+
+
+def test_edit_n_puts_the_turn_in_the_input_line_and_sending_it_forks(home, tmp_path, demo_path):
+    t, read = start(home, tmp_path / "stats.jsonl", "--model", str(demo_path), "--max-tokens", "8", "--session", "ed")
+    try:
+        t.wait_for(lambda s: "/help for commands" in s and "\n>" in s)
+        for i, words in enumerate(["Name a red fruit.", "Name a blue bird.", "Name a green tree."], start=1):
+            t.keys(words, "Enter")
+            t.wait_for(lambda s, i=i: len(read()) == i)
+        t.wait_for(lambda s: [x.rstrip() for x in s.splitlines() if x.strip()][-2:-1] == [">"])
+        t.keys("/edit 2", "Enter")
+        t.wait_for(lambda s: "> Name a blue bird." in s and "in the input line: Enter sends it" in s)
+        t.keys("BSpace", "BSpace", "BSpace", "BSpace", "BSpace", "fish.", "Enter")  # "bird." becomes "fish."
+        t.wait_for(lambda s: len(read()) == 4)
+        edited = read()[3]
+        assert edited["turn"] == 2 and edited["recomputed_tokens"] <= edited["new_tokens"] + 1, edited
+        t.quit()
+    finally:
+        t.kill()
+    said = lambda name: [json.loads(x).get("content") for x in  # noqa: E731
+                         (home / "sessions" / name / "transcript.jsonl").read_text().splitlines()]
+    assert "Name a blue fish." in said("ed-fork") and "Name a green tree." not in said("ed-fork")
+    assert "Name a blue bird." in said("ed") and "Name a blue fish." not in said("ed")

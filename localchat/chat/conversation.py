@@ -118,6 +118,17 @@ class Conversation:
         self.messages.append(m)
         return m
 
+    def user_indices(self) -> list[int]:
+        """Where each turn's user message is (turn N at [N - 1])."""
+        return [i for i, m in enumerate(self.messages) if m.role == "user"]
+
+    def cut_before_turn(self, turn: int) -> list[Message]:
+        """Forget turn `turn` (from 1) and every message after it (a fork that edits it); returns them."""
+        at = self.user_indices()[turn - 1]
+        dropped = self.messages[at:]
+        del self.messages[at:]
+        return dropped
+
     def drop_last_exchange(self) -> list[Message]:
         """Forget the last user message and its reply (undo); returns what was dropped."""
         last_user = max(i for i, m in enumerate(self.messages) if m.role == "user")

@@ -333,6 +333,15 @@ class Chat:
         self.engine.truncate(keep)
         return kept
 
+    def cut_to_turn(self, turn: int) -> str:
+        """Forget turn `turn` and what followed, the KV rewound to before it (all dropped where the sliding
+        window forbids: the next turn rebuilds); its user's words (its documents attached again)."""
+        user = self.conv.cut_before_turn(turn)[0]
+        self.docs.give_back(user)
+        self.ahead.invalidate()
+        self.engine.truncate(len(self.conv.window_tokens()))
+        return user.words
+
     def retry(self, inputs: TurnInputs = NO_INPUTS, sink: TurnSink = QUIET) -> TurnStats | None:
         """The last exchange again, as a new turn (None when there is none)."""
         if not self.conv.turns:

@@ -78,6 +78,7 @@ class Host:
         self._after_turn: AfterTurn = after_turn or session.after_turn
         self._stats: TextIO | None = open(stats_path, "a", encoding="utf-8") if stats_path else None
         self.scheduler: Scheduler | None = None
+        self.editing = 0  # the turn `edit` chose: the next message replaces it, in a fork
 
     def after_turn(self, st: TurnStats) -> None:
         self._after_turn(st)
@@ -126,6 +127,8 @@ class Host:
 
     # ------------------------------------------------------------ turns
     def turn(self, request: Request | str, sink: TurnSink = QUIET) -> TurnStats:
+        if self.editing:
+            self._fork_for_edit()
         return self.session.turn(request, sink)
 
     def answer(self, messages: Sequence[dict[str, Any]], sink: TurnSink = QUIET) -> TurnStats:
@@ -152,6 +155,55 @@ class Host:
         kept = chat.undo()
         self.session.flush_events()
         return kept
+
+    def history(self) -> list[tuple[int, str, str, bool]]:
+        """Each turn: (its number, the user's words, the last answer's, whether it is still in the window)."""
+        conv = self.session.chat.conv
+        starts = conv.user_indices()
+        out = []
+        for n, (at, end) in enumerate(zip(starts, [*starts[1:], len(conv.messages)]), start=1):
+            answers = [m.content for m in conv.messages[at + 1:end] if m.role == "assistant" and m.content]
+            out.append((n, conv.messages[at].words, answers[-1] if answers else "", conv.messages[at].in_window))
+        return out
+
+    def edit(self, turn: int) -> str:
+        """Choose turn `turn` to edit: the next message replaces it in a fork (the original stays as it is); its
+        words. RequestError for a turn that is not there or has left the window."""
+        conv = self.session.chat.conv
+        if not 1 <= turn <= conv.turns:
+            raise RequestError(f"there is no turn {turn}: this chat has {conv.turns} (/history lists them)")
+        if not conv.messages[conv.user_indices()[turn - 1]].in_window:
+            first = next(n for n, at in enumerate(conv.user_indices(), start=1) if conv.messages[at].in_window)
+            raise RequestError(f"turn {turn} has left the window (the context filled): turns {first}-{conv.turns} "
+                               "can be edited")
+        self.editing = turn
+        return conv.messages[conv.user_indices()[turn - 1]].words
+
+    def cancel_edit(self) -> None:
+        self.editing = 0
+
+    def fork(self, name: str = "") -> str:
+        """Go on in a new session from here (the current one stays as it is); its name."""
+        self.editing = 0
+        name = name or self._fork_name()
+        self.session.fork(name)
+        return name
+
+    def _fork_for_edit(self) -> None:
+        turn, self.editing = self.editing, 0
+        origin, name = self.session.store.name if self.session.store else "", self._fork_name()
+        self.session.fork(name, turn)
+        self.session.report(f"localchat: turn {turn} edited in a new session '{name}'" +
+                            (f" ('{origin}' stays as it was)" if origin else ""))
+
+    def _fork_name(self) -> str:
+        """The current session's name with -fork (-fork2, ...): the first free."""
+        base = self.session.store.name if self.session.store else auto_name()
+        for n in range(1, 1000):
+            name = f"{base[:54]}-fork{n if n > 1 else ''}"
+            if not SessionDir(name).exists():
+                return name
+        return auto_name()
 
     def pin(self) -> bool:
         """Keep the last exchange in the window when the context fills; False when there is none."""

@@ -352,6 +352,22 @@ class Session:
         self.chat.take_events()  # the snapshot below holds what they say
         store.append(transcript.snapshot(self.chat.conv))
 
+    def fork(self, name: str, turn: int = 0) -> str:
+        """Go on in a new session `name` (the current one left on disk as it is, saved first): from here, or from
+        before turn `turn` (its words returned, to be sent again edited). The KV is kept, rewound for a turn."""
+        store = SessionDir(name)
+        if store.exists():
+            raise SessionError(f"session '{name}' already exists; pick another name")
+        origin = self.store.name if self.store is not None else ""
+        self._take(store)
+        self.chat.take_events()  # the snapshot below holds what they say
+        words = self.chat.cut_to_turn(turn) if turn else ""
+        store.append(transcript.snapshot(self.chat.conv))
+        if origin:
+            store.write_origin(origin, turn or self.chat.conv.turns + 1)
+        self._dirty = True  # its own state is saved as any session's
+        return words
+
     def close(self) -> None:
         self.flush_events()
         if self.autosave and self.dirty:

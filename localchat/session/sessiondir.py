@@ -24,6 +24,7 @@ from localchat.fsutil import PRIVATE_FILE, atomic_write
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 TRANSCRIPT, STATE, META, LOCK = "transcript.jsonl", "kv.state", "meta.json", "lock"
+ORIGIN = "origin.json"  # a fork's: the session it was made from and the turn it branched at
 
 
 def validate_name(name: str) -> str:
@@ -106,6 +107,17 @@ class SessionDir:
 
     def write_meta(self, meta: dict[str, Any]) -> None:
         atomic_write(self.meta_path, [json.dumps(meta, indent=1).encode()])
+
+    def read_origin(self) -> dict[str, Any]:
+        """{"session": NAME, "turn": N} for a fork ({} for any other session): its first N - 1 turns are NAME's."""
+        try:
+            origin = json.loads((self.dir / ORIGIN).read_text(encoding="utf-8"))
+            return origin if isinstance(origin, dict) and isinstance(origin.get("session"), str) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def write_origin(self, session: str, turn: int) -> None:
+        atomic_write(self.dir / ORIGIN, [json.dumps({"session": session, "turn": turn}).encode()])
 
     def size_on_disk(self) -> int:
         return sum(p.stat().st_size for p in self.dir.iterdir() if p.is_file()) if self.dir.is_dir() else 0

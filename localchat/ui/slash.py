@@ -233,12 +233,43 @@ def _copy(ctx: CommandContext, arg: str) -> str:
 
 
 def _edit(ctx: CommandContext, arg: str) -> Outcome:
+    if arg.strip().isdigit():
+        return _edit_turn(ctx, int(arg))
     if ctx.terminal is None:
         return "editing needs the terminal UI"
     try:
         return Refill(clipboard.edit(arg))
     except OSError as exc:
         return f"the editor did not run ({exc}); set $EDITOR"
+
+
+def _edit_turn(ctx: CommandContext, turn: int) -> Outcome:
+    """Turn N's words for the next message, which replaces it in a fork; line mode shows them instead."""
+    words = ctx.host.edit(turn)
+    if ctx.terminal is not None:
+        return Refill(words)
+    return f"turn {turn} was: {words}\nthe next message replaces it, in a new session (this one stays as it is)"
+
+
+def _fork(ctx: CommandContext, arg: str) -> str:
+    origin = ctx.host.session.store
+    name = ctx.host.fork(arg.strip())
+    return f"forked: this chat goes on as '{name}'" + (f"; '{origin.name}' stays as it was" if origin else "")
+
+
+def _history(ctx: CommandContext, arg: str) -> str:
+    rows = []
+    for n, words, answer, in_window in ctx.host.history():
+        left = "" if in_window else "  (left the window)"
+        rows.append(f"  {n:>3}  {_first_line(words, 70)}{left}")
+        if answer:
+            rows.append(f"       -> {_first_line(answer, 66)}")
+    return "\n".join(rows) or "no turns yet"
+
+
+def _first_line(text: str, most: int) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= most and "\n" not in text.strip() else line[:most - 1] + "…"
 
 
 def _think(ctx: CommandContext, arg: str) -> str:
@@ -271,6 +302,8 @@ COMMANDS: dict[str, Command] = {
     "/sessions": Command("/sessions", "list saved sessions", _sessions),
     "/system": Command("/system [TEXT]", "show or set the system prompt", _system),
     "/undo": Command("/undo", "drop the last exchange (rewinds the KV when safe)", _undo),
+    "/history": Command("/history", "the turns, numbered (for /edit N)", _history),
+    "/fork": Command("/fork [NAME]", "go on in a new session from here (this one stays as it is)", _fork),
     "/retry": Command("/retry", "regenerate the last reply", _retry, replies=True),
     "/stats": Command("/stats", "per-turn table: cached, recomputed, TTFT, tok/s", _stats),
     "/cache": Command("/cache", "what the KV holds, state size on disk, the prefix store", _cache),
@@ -283,7 +316,8 @@ COMMANDS: dict[str, Command] = {
     "/model": Command("/model [NAME]", "switch the model (the conversation carried over), or list them", _model),
     "/pin": Command("/pin", "keep the last exchange in the window when the context fills", _pin),
     "/copy": Command("/copy [code [N]]", "the last reply, or its code block N, to the clipboard (OSC 52)", _copy),
-    "/edit": Command("/edit", "write the next message in $EDITOR (also Ctrl-X Ctrl-E)", _edit),
+    "/edit": Command("/edit [N]", "write the next message in $EDITOR (also Ctrl-X Ctrl-E); N: turn N's words "
+                     "to edit and send, in a fork", _edit),
     "/think": Command("/think [on|off|low|medium|high|show|hide]", "reasoning: switch it, or show the thoughts",
                       _think),
     "/raw": Command("/raw", "replies as raw text, or as Markdown again", _raw),
@@ -302,4 +336,6 @@ def dispatch(ctx: CommandContext, line: str) -> Outcome:
     if cmd is None:
         close = difflib.get_close_matches(name.lower(), list(COMMANDS), n=1)
         return f"unknown command {name}" + (f"; did you mean {close[0]}?" if close else "") + " (/help lists them)"
+    if cmd.usage.split()[0] not in ("/edit", "/history"):
+        ctx.host.cancel_edit()  # a turn chosen for editing goes back unedited when the user does something else
     return cmd.run(ctx, arg)
