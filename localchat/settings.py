@@ -15,7 +15,7 @@ from typing import Any
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
 QUANTIZED = ("q8_0", "q4_0")
-OVERFLOW = ("auto", "shift", "rebuild", "stop")
+OVERFLOW = ("auto", "shift", "rebuild", "stop", "compact")
 HISTORY = ("official", "as-sampled")
 THINK = ("on", "off", "low", "medium", "high")
 SPLIT_MODES = ("none", "layer", "row")
@@ -130,7 +130,11 @@ class Profile:
     system: str | None = setting(None, "a text", flag="--system", short="-s", chat_only=True,
                                  help="system prompt (null: the template's default)")
     overflow: str = setting("auto", choices=OVERFLOW, flag="--overflow", chat_only=True,
-                            help="when the context fills (auto: shift where the model can, else rebuild)")
+                            help="when the context fills (auto: shift where the model can, else rebuild; compact: "
+                                 "the oldest turns folded into the model's summary)")
+    compact_at: float = setting(0.8, "a fraction of the context, 0.3 to 0.95", lambda v: 0.3 <= v <= 0.95,
+                                chat_only=True, help="overflow: compact folds the oldest turns when a turn and its "
+                                                     "reply would pass this much of the context")
     autosave: bool = setting(True, flag="--no-autosave", chat_only=True,
                              help="save the KV after turns (off: only on /save)")
     max_kv_disk_gb: float = setting(10.0, "a number of GB, 0 or more", lambda v: 0 <= v <= 1 << 20,

@@ -55,6 +55,9 @@ class Message:
         return d
 
 
+SUMMARY_HEAD = "Notes on the earlier part of this conversation (its turns were folded to make room):"
+
+
 @dataclass
 class Conversation:
     system: str | None = None
@@ -63,6 +66,8 @@ class Conversation:
     tokens_left_window: int = 0
     started: str = ""  # when the chat began (ISO): the date templates print stays that day's on resume
     vocab: str = ""  # the signature of the vocabulary its tokens are in ("": as the model's, an older transcript)
+    summary: str = ""  # the model's summary of the turns compaction folded out of the window
+    last_compaction: dict | None = None  # what /compact undo restores: {"users", "tokens", "summary", "turns"}
 
     @property
     def turns(self) -> int:
@@ -71,6 +76,33 @@ class Conversation:
     @property
     def turns_left_window(self) -> int:
         return sum(1 for m in self.messages if m.role == "user" and not m.in_window)
+
+    def system_text(self) -> str | None:
+        """The system prompt as the template writes it: with the summary of the folded turns after it."""
+        if not self.summary:
+            return self.system
+        return f"{self.system}\n\n{SUMMARY_HEAD}\n{self.summary}" if self.system else f"{SUMMARY_HEAD}\n{self.summary}"
+
+    def fold(self, user_indices: list[int], n_tokens: int, summary: str) -> None:
+        """Compaction: these exchanges leave the window, `summary` stands for them (and for any summary before)."""
+        self.last_compaction = {"users": list(user_indices), "tokens": n_tokens, "summary": self.summary,
+                                "turns": self.turns}
+        self.evict(user_indices, n_tokens)
+        self.summary = summary
+
+    def unfold(self) -> bool:
+        """The last compaction undone (only while no turn followed it): its exchanges back in the window."""
+        last = self.last_compaction
+        if last is None or last["turns"] != self.turns:
+            return False
+        for idx in last["users"]:
+            for m in self.messages[idx:]:
+                if m.role == "user" and m is not self.messages[idx]:
+                    break
+                m.in_window = True
+        self.tokens_left_window -= last["tokens"]
+        self.summary, self.last_compaction = last["summary"], None
+        return True
 
     def _window(self) -> list[Message]:
         return [m for m in self.messages if m.in_window]
@@ -164,5 +196,6 @@ class Conversation:
         self.tokens_left_window += n_tokens
 
     def to_json(self) -> dict:
-        return {"system": self.system, "prefix": self.prefix, "tokens_left_window": self.tokens_left_window,
+        return {"system": self.system, "summary": self.summary, "prefix": self.prefix,
+                "tokens_left_window": self.tokens_left_window,
                 "started": self.started, "messages": [m.to_json() for m in self.messages]}

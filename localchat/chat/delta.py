@@ -4,7 +4,7 @@ closing of the last reply and the next header, the words and the generation prom
 from __future__ import annotations
 
 from localchat.chat.ahead import Ahead
-from localchat.chat.conversation import Conversation
+from localchat.chat.conversation import Conversation, Message
 from localchat.chat.documents import Attachments
 from localchat.chatformat.templates import ChatFormat
 from localchat.engine import Engine
@@ -31,12 +31,16 @@ class Deltas:
         return self.tok(text, bos=first and not (self._bos and text.startswith(self._bos)))
 
     def prefix_tokens(self, conv: Conversation) -> list[int]:
-        return self.template_tokens(self.fmt.first_turn(conv.system, "").before, first=True)
+        return self.template_tokens(self.fmt.first_turn(conv.system_text(), "").before, first=True)
 
     def past_reply(self, conv: Conversation, closing: str) -> str:
         """The template text that follows the last reply, less what its sampled end token already wrote
         (a reply keeps that token only where the text starts with it)."""
-        last = conv.messages[-1].tokens
+        return self.closing_after(conv.messages[-1], closing)
+
+    def closing_after(self, m: Message, closing: str) -> str:
+        """`closing` (the template text after a reply) less what message m's sampled end token already wrote."""
+        last = m.tokens
         if last and self.engine.is_eog(last[-1]):
             return closing[len(self.engine.piece(last[-1], special=True).decode("utf-8", "replace")):]
         return closing
@@ -45,12 +49,12 @@ class Deltas:
         """(head, body): the closing of the last reply and the user header; the documents, the words and the
         generation prompt. The first exchange's head is the prefix itself."""
         if not any(m.in_window for m in conv.messages):
-            t = self.fmt.first_turn(conv.system, "")
+            t = self.fmt.first_turn(conv.system_text(), "")
             head: list[int] = []
         elif ahead.planned and (text or docs.pending):  # the official head, planned after the reply
-            t = self.fmt.next_turn(conv.system, "")
+            t = self.fmt.next_turn(conv.system_text(), "")
             head = list(ahead.head)
         else:
-            t = self.fmt.next_turn(conv.system, "")
+            t = self.fmt.next_turn(conv.system_text(), "")
             head = self.tok(self.past_reply(conv, t.before))
         return head, docs.tokens() + self.tok(text, special=False) + self.tok(t.after)

@@ -78,7 +78,7 @@ def template_messages(fmt: ChatFormat, vocab: Vocab, messages: list[Message]) ->
 def official_prefix(fmt: ChatFormat, vocab: Vocab, conv: Conversation) -> str | None:
     """The official text before the next user message's words (None: the template drops the sentinel)."""
     window = [m for m in conv.messages if m.in_window]
-    msgs = fmt.with_system(conv.system, [*template_messages(fmt, vocab, window),
+    msgs = fmt.with_system(conv.system_text(), [*template_messages(fmt, vocab, window),
                                          {"role": "user", "content": USER_SENTINEL}])
     text = fmt.render(msgs, True)
     i = text.find(USER_SENTINEL)

@@ -59,18 +59,29 @@ class PrefixStats:
 
 
 @dataclass
+class CompactionStats:
+    """A compaction before the turn: the tokens folded, the summary and the kept turns its prefill lays in."""
+    compacted_tokens: int | None = None
+    summary_tokens: int | None = None
+    kept_tokens: int | None = None
+    compaction_s: float | None = None
+    compaction_failed: str | None = None  # why nothing was folded (the window then shifted or rebuilt)
+
+
+@dataclass
 class ImageStats:
     image_encoded: int | None = None  # image tokens encoded for this turn
 
 
-_GROUPS = ("tools", "ahead", "drafts", "decode", "prefix", "images")
+_GROUPS = ("tools", "ahead", "drafts", "decode", "prefix", "images", "compaction")
 # the record's order of the grouped keys: the order the turn writes them in
 _ORDER = ("step", "tool_calls", "tool_result_tokens", "prefetched_tokens", "rewritten_call_tokens",
           "idle_tokens", "read_ahead_tokens", "after_enter_tokens", "discarded_ahead_tokens", "canonicalized_tokens",
           "draft_tokens", "accepted_tokens", "tool_call_error", "reasoning_tokens", "padding_tokens",
           "wall_decode_tps", "wall_decode_tps_after_first", "first_step_ms", "prefix_cache_hit",
           "prefix_store_tokens", "image_encoded", "threads", "threads_batch", "draft_model_tokens",
-          "draft_model_evaluated", "loop_end")
+          "draft_model_evaluated", "loop_end", "compacted_tokens", "summary_tokens", "kept_tokens", "compaction_s",
+          "compaction_failed")
 
 
 @dataclass
@@ -103,6 +114,7 @@ class TurnStats:
     decode: DecodeStats = field(default_factory=DecodeStats)
     prefix: PrefixStats = field(default_factory=PrefixStats)
     images: ImageStats = field(default_factory=ImageStats)
+    compaction: CompactionStats = field(default_factory=CompactionStats)
     steps: list[TurnStats] = field(default_factory=list, repr=False)  # a tool loop's earlier steps, in order
 
     def time_decode(self, n: int, first_at: float, second_at: float, last_at: float) -> None:
@@ -133,4 +145,4 @@ class TurnStats:
 
 
 assert sorted(_ORDER) == sorted(f.name for g in (ToolStats, AheadStats, DraftStats, DecodeStats, PrefixStats,
-                                                 ImageStats) for f in fields(g))
+                                                 ImageStats, CompactionStats) for f in fields(g))

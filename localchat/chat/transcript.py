@@ -1,8 +1,9 @@
 """The transcript format, its one owner: records built, encoded, parsed, replayed, appended.
 
 A transcript is JSON Lines, one record per line, appended and fsynced as each turn completes:
-`{"t": "system"|"msg"|"evict"|"undo"|"pin"|"canon", ...}` ("canon": the history brought to the
-official template form, new token layouts of some messages). Replaying the records in order rebuilds the
+`{"t": "system"|"msg"|"evict"|"undo"|"pin"|"canon"|"compact"|"uncompact", ...}` ("canon": the history brought
+to the official template form, new token layouts of some messages; "compact": exchanges folded into the model's
+summary, which the system record carries too). Replaying the records in order rebuilds the
 conversation, tokens included. A crash or a full disk mid-append can leave a last line without
 its newline; before anything is appended after it, that torn tail is cut off and kept aside in
 `transcript.torn`, so the next record starts on a line of its own and nothing after it is lost.
@@ -30,7 +31,16 @@ def message(m: Message) -> Record:
 
 def system(conv: Conversation) -> Record:
     return {"t": "system", "system": conv.system, "prefix": list(conv.prefix), "started": conv.started,
-            "vocab": conv.vocab}
+            "vocab": conv.vocab, "summary": conv.summary}
+
+
+def compact(users: list[int], tokens: int, summary: str) -> Record:
+    """Compaction: these exchanges (their user messages' indices) left the window, `summary` in their place."""
+    return {"t": "compact", "users": list(users), "tokens": tokens, "summary": summary}
+
+
+def uncompact() -> Record:
+    return {"t": "uncompact"}
 
 
 def relayout(prefix: list[int], layout: list[tuple[int, list[int], list[int]]], raws: dict[int, str]) -> Record:
@@ -131,6 +141,8 @@ def replay(records: list[Record]) -> Conversation:
                 conv.started = started if isinstance(started, str) else conv.started
                 vocab = r.get("vocab")
                 conv.vocab = vocab if isinstance(vocab, str) else conv.vocab
+                summary = r.get("summary")
+                conv.summary = summary if isinstance(summary, str) else conv.summary
             elif kind == "canon":
                 layout = [(int(i), [int(t) for t in h], [int(t) for t in toks]) for i, h, toks in r["messages"]]
                 if all(0 <= i < len(conv.messages) for i, _, _ in layout):
@@ -146,6 +158,11 @@ def replay(records: list[Record]) -> Conversation:
             elif kind == "evict":
                 users = [int(i) for i in r.get("users", [])]
                 conv.evict([i for i in users if 0 <= i < len(conv.messages)], int(r.get("tokens", 0)))
+            elif kind == "compact" and isinstance(r.get("summary"), str):
+                users = [int(i) for i in r.get("users", [])]
+                conv.fold([i for i in users if 0 <= i < len(conv.messages)], int(r.get("tokens", 0)), r["summary"])
+            elif kind == "uncompact":
+                conv.unfold()
             elif kind == "undo" and conv.turns:
                 conv.drop_last_exchange()
             elif kind == "pin":

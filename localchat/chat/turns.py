@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from localchat.chat import official, overflow, replystream, tools, transcript
+from localchat.chat import compaction, official, overflow, replystream, tools, transcript
 from localchat.chat.ahead import Ahead
 from localchat.chat.conversation import Conversation, Message
 from localchat.chat.delta import Deltas
@@ -35,6 +35,7 @@ class ChatSettings:
     max_tokens: int = default("max_tokens")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     overflow: str = default("overflow")  # auto: shift where the KV can shift positions, else rebuild
+    compact_at: float = default("compact_at")
     history: str = default("history")
     read_ahead: bool = default("read_ahead")
     reasoning_budget: int = default("reasoning_budget")
@@ -77,6 +78,7 @@ class Chat:
         self.vision = vision  # the model's vision projector, where it has one
         self.vision_problem = vision_problem  # why a projector found beside the model was not loaded (/attach)
         self.image_encoded = 0  # image tokens encoded since the last turn (attached images not in the cache)
+        self._compact_after = 0  # automatic compaction waits for this many turns (one that failed was just tried)
 
     @property
     def history_mode(self) -> str:
@@ -84,9 +86,34 @@ class Chat:
 
     @property
     def overflow(self) -> str:
-        if self.settings.overflow == "auto":
+        """What takes turns out of the window when the context fills (compact: then this, where it cannot fold)."""
+        if self.settings.overflow in ("auto", "compact"):
             return "shift" if self.engine.can_shift else "rebuild"
         return self.settings.overflow
+
+    @property
+    def compacts(self) -> bool:
+        return self.settings.overflow == "compact"
+
+    def compact(self, instructions: str = "", st: TurnStats | None = None) -> compaction.Compacted:
+        """Fold the oldest turns into the model's summary now (CompactionFailed where nothing was folded);
+        counted in `st` where a turn's room is made."""
+        try:
+            done = compaction.compact(self, instructions)
+        except compaction.CompactionFailed:
+            self._compact_after = self.conv.turns + compaction.RETRY_TURNS
+            raise
+        if st is not None:
+            c = st.compaction
+            c.compacted_tokens, c.summary_tokens, c.kept_tokens = done.folded_tokens, done.summary_tokens, \
+                done.kept_tokens
+            c.compaction_s = round(done.seconds, 3)
+        return done
+
+    def compaction_due(self, need: int) -> bool:
+        """With overflow: compact, whether `need` more tokens pass the threshold (and something can be folded)."""
+        return self.compacts and self.conv.turns >= self._compact_after and \
+            compaction.due(self.conv, self.engine.n_ctx, need, self.settings.compact_at)
 
     def set_read_ahead(self, on: bool) -> None:
         self.read_ahead = on
@@ -188,11 +215,16 @@ class Chat:
         if len(self.conv.prefix) + len(body) + 1 > e.n_ctx:
             raise ContextFullError(f"this message ({len(body)} tokens) does not fit in the context "
                                    f"({e.n_ctx} tokens); shorten it or raise --ctx")
-        evicted = overflow.make_room(e, self.conv, self.ahead, self.overflow,
-                                     len(head) + len(body) + self.settings.max_tokens, st)
+        need = len(head) + len(body) + self.settings.max_tokens
+        if self.compaction_due(need):
+            try:
+                self.compact(st=st)
+            except compaction.CompactionFailed as why:  # the window shifts or rebuilds instead
+                st.compaction.compaction_failed = str(why)
+        evicted = overflow.make_room(e, self.conv, self.ahead, self.overflow, need, st)
         if evicted:
             self.events.append(evicted)
-        if st.shifted_tokens:  # the head depends on whether anything is left in the window
+        if st.shifted_tokens or st.compaction.compacted_tokens:  # the head depends on what is left in the window
             head, body = self.deltas.delta(self.conv, self.ahead, self.docs, text)
         st.new_tokens = len(head) + len(body) + (len(self.conv.prefix) if not self.conv.messages else 0)
         window = self.conv.window_tokens()
@@ -286,7 +318,7 @@ class Chat:
                 keep += 1
             e.truncate(prompt_len + keep)
         elif reply and e.is_eog(reply[-1]):
-            closing = self.fmt.next_turn(self.conv.system, "").before if closing is None else closing
+            closing = self.fmt.next_turn(self.conv.system_text(), "").before if closing is None else closing
             if not closing.startswith(e.piece(reply[-1], special=True).decode("utf-8", "replace")):
                 e.truncate(len(e.tokens) - 1)  # pending, never evaluated: nothing to rewind
         return e.tokens[prompt_len:]

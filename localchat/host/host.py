@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from localchat.chat import attaching, transcript
+from localchat.chat import attaching, compaction, transcript
 from localchat.chat.conversation import Conversation
 from localchat.chat.request import QUIET, Request, TurnSink
 from localchat.chat.stats import TurnStats
@@ -147,9 +147,11 @@ class Host:
 
     # ------------------------------------------------------------ the conversation
     def undo(self) -> bool | None:
-        """Drop the last exchange (on disk too); None when there is none, False when the KV could not be
-        rewound (the next turn recomputes)."""
+        """Drop the last exchange (on disk too), or right after a compaction undo that; None when there is none,
+        False when the KV could not be rewound (the next turn recomputes)."""
         chat = self.session.chat
+        if self.uncompact():
+            return False
         if not chat.conv.turns:
             return None
         kept = chat.undo()
@@ -204,6 +206,22 @@ class Host:
             if not SessionDir(name).exists():
                 return name
         return auto_name()
+
+    def compact(self, instructions: str = "") -> tuple[compaction.Compacted, int, float]:
+        """Fold the oldest turns into the model's summary and lay the new window in (the next turn evaluates only
+        its own); (what was folded, the tokens the window took, its seconds). CompactionFailed: nothing folded."""
+        chat = self.session.chat
+        done = chat.compact(instructions)
+        laid = chat.engine.prefill(chat.conv.window_tokens())
+        self.session.flush_events()
+        return done, laid.recomputed, laid.seconds
+
+    def uncompact(self) -> bool:
+        """The last compaction undone while no turn followed it (the window as it was); False when there is none."""
+        done = compaction.undo(self.session.chat)
+        if done:
+            self.session.flush_events()
+        return done
 
     def pin(self) -> bool:
         """Keep the last exchange in the window when the context fills; False when there is none."""

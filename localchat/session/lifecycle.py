@@ -6,12 +6,14 @@ The KV's half of saving and resuming (checks, restore-or-prefill, copy, write, p
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from localchat import paths
 from localchat.chat import carryover, transcript
+from localchat.chat.compaction import CompactionFailed
 from localchat.chat.request import NO_INPUTS, QUIET, Request, TurnInputs, TurnSink
 from localchat.chat.stats import TurnStats
 from localchat.errors import ChatEnded, LocalchatError, SessionError
@@ -26,6 +28,8 @@ from localchat.trace import TRACE
 
 Report = Callable[[str], None]
 THREADS_FRESH_S = 1.0  # a load reading this young stands for the next turn's thread count
+TYPICAL_MESSAGE = 64  # tokens: what a compaction in idle time expects the next message to bring
+log = logging.getLogger("localchat.session")
 
 
 def auto_name() -> str:
@@ -248,6 +252,9 @@ class Session:
         next turn's thread count)."""
         if self.ended:
             return False
+        if self._compaction_due():
+            self._compact_now()
+            return True
         ahead = self.chat.ahead
         if ahead.step(typed=False):
             self._tell_layout_failure()
@@ -261,6 +268,20 @@ class Session:
             return True
         self.rt.refit_threads(fresh=THREADS_FRESH_S / 2)  # the load read while nobody waits: not after Enter
         return False
+
+    def _compaction_due(self) -> bool:
+        """With overflow: compact, whether the next turn (a message and its reply) would pass the threshold: the
+        summary is made now, while the user reads or types, not after Enter."""
+        return self.chat.compaction_due(self.chat.settings.max_tokens + TYPICAL_MESSAGE)
+
+    def _compact_now(self) -> None:
+        try:
+            self.chat.compact()
+        except CompactionFailed as why:
+            log.info("compaction in idle time: %s", why)
+            return
+        self._dirty = True
+        self.flush_events()  # the transcript says so before any state with the new window is saved
 
     def flush_events(self) -> None:
         if self.store is not None and self.chat.events:

@@ -251,6 +251,17 @@ def _edit_turn(ctx: CommandContext, turn: int) -> Outcome:
     return f"turn {turn} was: {words}\nthe next message replaces it, in a new session (this one stays as it is)"
 
 
+def _compact(ctx: CommandContext, arg: str) -> str:
+    if arg.strip() == "undo":
+        return "compaction undone: the window is as it was (the next turn lays it in)" if ctx.host.uncompact() \
+            else "no compaction to undo since the last turn"
+    done, laid, seconds = ctx.host.compact(arg)
+    turns = len(done.users)
+    return (f"compacted: {turns} turn{'s' * (turns != 1)} ({done.folded_tokens:,} tokens) folded into a "
+            f"{done.summary_tokens:,}-token summary, the window laid in again ({laid:,} tokens evaluated); "
+            f"{done.seconds + seconds:.1f} s (/compact undo restores it)")
+
+
 def _fork(ctx: CommandContext, arg: str) -> str:
     origin = ctx.host.session.store
     name = ctx.host.fork(arg.strip())
@@ -303,6 +314,8 @@ COMMANDS: dict[str, Command] = {
     "/system": Command("/system [TEXT]", "show or set the system prompt", _system),
     "/undo": Command("/undo", "drop the last exchange (rewinds the KV when safe)", _undo),
     "/history": Command("/history", "the turns, numbered (for /edit N)", _history),
+    "/compact": Command("/compact [TEXT|undo]", "fold the oldest turns into the model's summary (TEXT: what it "
+                        "must keep); undo restores the window", _compact),
     "/fork": Command("/fork [NAME]", "go on in a new session from here (this one stays as it is)", _fork),
     "/retry": Command("/retry", "regenerate the last reply", _retry, replies=True),
     "/stats": Command("/stats", "per-turn table: cached, recomputed, TTFT, tok/s", _stats),

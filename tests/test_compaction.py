@@ -1,0 +1,100 @@
+"""Compaction on real models in real processes (line mode): the oldest turns folded into the model's own summary
+once the window passes the threshold, every other turn evaluating only what it adds, the transcript keeping every
+message; /compact and /compact undo by hand; on the real built-in model a fact folded into the summary is still
+answered where overflow: shift has lost it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli
+
+CHAT = ["--temperature", "0", "--max-tokens", "24"]
+QUESTIONS = [f"Tell me about the number {i} and why it matters to sailors on long voyages." for i in range(1, 61)]
+
+
+def chat(home: Path, model: str, lines: list[str], stats: Path, *extra: str):
+    return run_cli(["--model", model, *CHAT, "--stats-json", str(stats), *extra],
+                   stdin="".join(line + "\n" for line in lines), env={"LOCALCHAT_HOME": str(home)}, timeout=1500)
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def records(home: Path, session: str) -> list[dict]:
+    path = home / "sessions" / session / "transcript.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_sixty_turns_in_a_2048_context_compact_and_every_other_turn_evaluates_its_own(home, tmp_path):
+    stats = tmp_path / "stats.jsonl"
+    r = chat(home, "demo", QUESTIONS, stats, "--ctx", "2048", "--overflow", "compact", "--session", "long")
+    assert r.returncode == 0, r.stderr
+    turns = rows(stats)
+    assert [t["turn"] for t in turns] == list(range(1, 61)) and not any(t["cut"] for t in turns)
+    compactions = [t for t in turns if t.get("compacted_tokens")]
+    assert compactions, [t.get("compaction_failed") for t in turns if t.get("compaction_failed")]
+    for t in turns[1:]:
+        if t.get("compacted_tokens"):  # the summary and the kept turns laid in after the system prompt
+            assert t["recomputed_tokens"] <= t["summary_tokens"] + t["kept_tokens"] + t["new_tokens"] + 1, t
+        else:
+            assert t["recomputed_tokens"] <= t["new_tokens"] + 1, t
+    said = [r["content"] for r in records(home, "long") if r.get("t") == "msg" and r["role"] == "user"]
+    assert said == QUESTIONS  # every message kept, folded or not
+    summaries = [r for r in records(home, "long") if r.get("t") == "compact"]
+    assert len(summaries) == len(compactions) and all(s["summary"] for s in summaries)
+    # resumed: the window as compacted (the summary in it), the KV restored, nothing recomputed
+    again = tmp_path / "again.jsonl"
+    r = chat(home, "demo", ["One more question about the sea."], again, "--ctx", "2048", "--overflow", "compact",
+             "--session", "long")
+    (resumed,) = rows(again)
+    assert resumed["kv_restored"] and resumed["recomputed_tokens"] <= resumed["new_tokens"] + 1, resumed
+
+
+def test_compact_by_hand_and_undo_restore_the_window(home, tmp_path):
+    stats = tmp_path / "stats.jsonl"
+    r = chat(home, "demo", [*QUESTIONS[:8], "/compact keep the numbers", "/compact undo", "/compact undo",
+                            "/compact", QUESTIONS[8]], stats, "--ctx", "2048", "--session", "hand")
+    assert r.returncode == 0, r.stderr
+    done = [line for line in r.stderr.splitlines() if line.startswith("compacted: ")]
+    assert len(done) == 2 and "folded into a" in done[0], r.stderr
+    assert "compaction undone: the window is as it was" in r.stderr
+    assert "no compaction to undo since the last turn" in r.stderr
+    last = rows(stats)[-1]
+    assert last["recomputed_tokens"] <= last["new_tokens"] + 1, last  # /compact laid the new window in already
+    kinds = [r["t"] for r in records(home, "hand") if r["t"] in ("compact", "uncompact")]
+    assert kinds == ["compact", "uncompact", "compact"]
+
+
+def test_compact_on_an_empty_chat_and_a_summary_that_fails_lose_nothing(home, tmp_path):
+    r = chat(home, "demo", ["/compact", "Hello", "/compact"], tmp_path / "s.jsonl", "--session", "empty")
+    assert r.returncode == 0, r.stderr
+    nothing = "localchat: nothing to compact: the window holds one exchange, or the oldest is pinned"
+    assert r.stderr.count(nothing) == 2, r.stderr
+    said = [r["content"] for r in records(home, "empty") if r.get("t") == "msg" and r["role"] == "user"]
+    assert said == ["Hello"]
+
+
+@pytest.mark.real
+def test_a_fact_folded_into_the_summary_is_still_answered_where_shift_lost_it(assistant_path, tmp_path):
+    lines = [line for line in Path(__file__).with_name("data").joinpath("cabin_chat.txt").read_text().splitlines()
+             if line.strip()]
+    answers = {}
+    for mode in ("compact", "shift"):
+        home, stats = tmp_path / mode, tmp_path / f"{mode}.jsonl"
+        r = run_cli(["--model", str(assistant_path), "--temperature", "0", "--max-tokens", "48", "--ctx", "768",
+                     "--overflow", mode, "--session", "cabin", "--stats-json", str(stats)],
+                    stdin="".join(line + "\n" for line in lines), env={"LOCALCHAT_HOME": str(home)}, timeout=1500)
+        assert r.returncode == 0, r.stderr
+        answers[mode] = r.stdout.strip().splitlines()[-1]
+        turns = rows(stats)
+        if mode == "compact":
+            assert any(t.get("compacted_tokens") for t in turns), [t.get("compaction_failed") for t in turns]
+        else:
+            assert any(t["shifted_tokens"] for t in turns)
+    assert "Friday" in answers["compact"], answers  # the summary carried it: "Marta arrives ... on Friday"
+    assert "Friday" not in answers["shift"], answers
