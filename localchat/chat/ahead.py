@@ -142,6 +142,11 @@ class Ahead:
             self.relayouts += 1
         return lay.head
 
+    def history_changed(self) -> None:
+        """The history was laid out anew between turns (a compaction): idle steps evaluate it, counted apart."""
+        self.relayouted = True
+        self.invalidate()
+
     def shifted(self, freed: int) -> None:
         """Old exchanges slid out of the KV within a turn: what was evaluated ahead moved down with them."""
         self.own_from -= freed

@@ -79,6 +79,7 @@ class Chat:
         self.vision_problem = vision_problem  # why a projector found beside the model was not loaded (/attach)
         self.image_encoded = 0  # image tokens encoded since the last turn (attached images not in the cache)
         self._compact_after = 0  # automatic compaction waits for this many turns (one that failed was just tried)
+        self._compacted: compaction.Compacted | None = None  # made between turns: the next turn's stats say so
 
     @property
     def history_mode(self) -> str:
@@ -103,11 +104,11 @@ class Chat:
         except compaction.CompactionFailed:
             self._compact_after = self.conv.turns + compaction.RETRY_TURNS
             raise
-        if st is not None:
-            c = st.compaction
-            c.compacted_tokens, c.summary_tokens, c.kept_tokens = done.folded_tokens, done.summary_tokens, \
-                done.kept_tokens
-            c.compaction_s = round(done.seconds, 3)
+        if st is None:  # between turns: idle steps lay the new window in, and the next turn reports it
+            self._compacted = done
+            self.ahead.history_changed()
+        else:
+            _count_compaction(st, done)
         return done
 
     def compaction_due(self, need: int) -> bool:
@@ -167,6 +168,9 @@ class Chat:
         e, inputs = self.engine, request.inputs
         t0 = request.started if request.started is not None else time.perf_counter()
         st = TurnStats(turn=self.conv.turns + 1, n_ctx=e.n_ctx, kv_restored=inputs.kv_restored)
+        if self._compacted is not None:
+            _count_compaction(st, self._compacted)
+            self._compacted = None
         self.prepare()
         laid = self._lay_out(request.text, st, inputs)
         TRACE.stamp("laid_out")
@@ -401,3 +405,9 @@ class Chat:
         self.ahead.invalidate()
         self._system_cause = cause
         self.events.append(transcript.system(self.conv))
+
+
+def _count_compaction(st: TurnStats, done: compaction.Compacted) -> None:
+    c = st.compaction
+    c.compacted_tokens, c.summary_tokens, c.kept_tokens = done.folded_tokens, done.summary_tokens, done.kept_tokens
+    c.compaction_s = round(done.seconds, 3)

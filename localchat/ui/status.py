@@ -105,6 +105,8 @@ def summary_line(st: TurnStats) -> str:
              *_reply_parts(st)]
     if st.shifted_tokens:
         parts.append(f"shifted {st.shifted_tokens}")
+    if st.compaction.compacted_tokens:
+        parts.append(f"compacted {st.compaction.compacted_tokens} into a {st.compaction.summary_tokens}-token summary")
     if st.kv_restored:
         parts.append("KV restored")
     if st.cut:
