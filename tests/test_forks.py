@@ -64,6 +64,10 @@ def test_editing_turn_2_of_10_forks_there_and_leaves_the_original_byte_for_byte(
     fork = [json.loads(line) for line in (home / "sessions" / "sea-fork" / "transcript.jsonl").read_text().splitlines()]
     said = [m["content"] for m in fork if m.get("role") == "user"]
     assert said == [questions[0], "Tell me fact number 2 about rivers."]
+    found = json.loads(run_cli(["search", "fact number 1 about the sea", "--json"],
+                               env={"LOCALCHAT_HOME": str(home)}).stdout)
+    first = [h for h in found if h["turn"] == 1 and h["kind"] == "question"]
+    assert [h["session"] for h in first] == ["sea"], found  # the fork's copy of turn 1 is not a second match
 
 
 def test_bad_forks_and_edits_are_one_line_and_lose_nothing(home, tmp_path):

@@ -52,6 +52,7 @@ class IndexUnavailable(Exception):
     """This Python's sqlite3 has no FTS5 (the message says so in one line)."""
 
 
+FORK_SLACK = 3  # rows asked for per match wanted: a fork repeats its origin's turns, found once
 FAILURES = (IndexUnavailable, sqlite3.Error, OSError)  # what keeps the index from answering or updating
 
 
@@ -235,18 +236,24 @@ class SearchIndex:
     def search(self, query: str, limit: int = 10, session: str | None = None, since: str | None = None,
                until: str | None = None, kinds: tuple[str, ...] = ("question", "answer", "call", "result",
                                                                     "documents")) -> list[Hit]:
-        """The best matches, best first."""
+        """The best matches, best first; a fork's copy of its origin's turns is one match (the first indexed)."""
         where, args = conditions(session, since, until, kinds)
         where, args = ["fts MATCH ?", *where], [self._match(query), *args]
         sql = (f"SELECT rows.session, rows.turn, rows.kind, rows.at, snippet(fts, 0, '[', ']', '…', 16), "
                f"bm25(fts), rows.text, rows.id FROM fts JOIN rows ON rows.id = fts.rowid WHERE {' AND '.join(where)} "
-               f"ORDER BY bm25(fts) LIMIT ?")
+               f"ORDER BY bm25(fts), rows.id LIMIT ?")
         try:
-            found = self.db.execute(sql, [*args, limit]).fetchall()
+            found = self.db.execute(sql, [*args, FORK_SLACK * limit]).fetchall()
         except sqlite3.OperationalError:  # FTS5 could not parse it: the words as they are
             args[0] = self._match(" ".join(_WORD.findall(query)), plain=True)
-            found = self.db.execute(sql, [*args, limit]).fetchall() if args[0] else []
-        return [Hit(s, t, k, a, snip, -score, text, i) for s, t, k, a, snip, score, text, i in found]
+            found = self.db.execute(sql, [*args, FORK_SLACK * limit]).fetchall() if args[0] else []
+        seen: set[tuple[int, str, str, str]] = set()
+        hits = []
+        for s, t, k, a, snip, score, text, i in found:
+            if (t, k, a, text) not in seen:
+                seen.add((t, k, a, text))
+                hits.append(Hit(s, t, k, a, snip, -score, text, i))
+        return hits[:limit]
 
     def _match(self, query: str, plain: bool = False) -> str:
         if not plain and _OPERATORS.search(query):
