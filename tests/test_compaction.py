@@ -98,3 +98,47 @@ def test_a_fact_folded_into_the_summary_is_still_answered_where_shift_lost_it(as
             assert any(t["shifted_tokens"] for t in turns)
     assert "Friday" in answers["compact"], answers  # the summary carried it: "Marta arrives ... on Friday"
     assert "Friday" not in answers["shift"], answers
+
+
+@pytest.mark.parametrize("when", ["during", "written"])
+def test_kill_9_during_a_compaction_resumes_the_window_before_or_after_it(home, tmp_path, when):
+    """Killed 0.2 s into /compact (the summary being written: the window as before), or the moment its records
+    are in the transcript (the state being saved after it: the window as after)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from localchat.chat.transcript import TranscriptFile
+    stats = tmp_path / "stats.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "localchat", "--model", "demo", *CHAT, "--ctx", "2048", "--session",
+                             "kill", "--stats-json", str(stats)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "LOCALCHAT_HOME": str(home)})
+    proc.stdin.write("".join(q + "\n" for q in QUESTIONS[:10]) + "/compact\n")
+    proc.stdin.close()
+    deadline = time.time() + 300
+    while len(rows(stats)) < 10 and proc.poll() is None:  # the tenth turn's row: /compact runs next
+        assert time.time() < deadline
+        time.sleep(0.01)
+    transcript = TranscriptFile(home / "sessions" / "kill" / "transcript.jsonl")
+    if when == "during":
+        time.sleep(0.2)
+    while when == "written" and not any(r.get("t") == "compact" for r in transcript.read()):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    compacted = [r for r in transcript.read() if r.get("t") == "compact"]
+    assert bool(compacted) == (when == "written")
+    conv = transcript.conversation()
+    assert conv.turns == 10
+    if compacted:  # after: the summary stands for the folded turns, which left the window
+        assert conv.summary == compacted[0]["summary"] and conv.turns_left_window == len(compacted[0]["users"])
+    else:  # before: every turn in the window, no summary
+        assert conv.summary == "" and conv.turns_left_window == 0
+    again = tmp_path / "again.jsonl"
+    r = chat(home, "demo", ["And the sea?"], again, "--ctx", "2048", "--session", "kill")
+    assert r.returncode == 0, r.stderr
+    (resumed,) = rows(again)
+    assert resumed["turn"] == 11 and resumed["ctx_used"] < 2048
