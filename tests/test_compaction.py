@@ -58,16 +58,18 @@ def test_sixty_turns_in_a_2048_context_compact_and_every_other_turn_evaluates_it
 def test_compact_by_hand_and_undo_restore_the_window(home, tmp_path):
     stats = tmp_path / "stats.jsonl"
     r = chat(home, "demo", [*QUESTIONS[:8], "/compact keep the numbers", "/compact undo", "/compact undo",
-                            "/compact", QUESTIONS[8]], stats, "--ctx", "2048", "--session", "hand")
+                            "/compact", "/undo", "/compact", QUESTIONS[8]], stats, "--ctx", "2048", "--session", "hand")
     assert r.returncode == 0, r.stderr
     done = [line for line in r.stderr.splitlines() if line.startswith("compacted: ")]
-    assert len(done) == 2 and "folded into a" in done[0], r.stderr
-    assert "compaction undone: the window is as it was" in r.stderr
+    assert len(done) == 3 and "folded into a" in done[0], r.stderr
+    assert r.stderr.count("compaction undone: the window is as it was") == 2  # /compact undo, and /undo right after
     assert "no compaction to undo since the last turn" in r.stderr
     last = rows(stats)[-1]
     assert last["recomputed_tokens"] <= last["new_tokens"] + 1, last  # /compact laid the new window in already
     kinds = [r["t"] for r in records(home, "hand") if r["t"] in ("compact", "uncompact")]
-    assert kinds == ["compact", "uncompact", "compact"]
+    assert kinds == ["compact", "uncompact", "compact", "uncompact", "compact"]
+    said = [r["content"] for r in records(home, "hand") if r.get("t") == "msg" and r["role"] == "user"]
+    assert said == QUESTIONS[:9]  # /undo undid the compaction, not the eighth exchange
 
 
 def test_compact_on_an_empty_chat_and_a_summary_that_fails_lose_nothing(home, tmp_path):

@@ -60,7 +60,7 @@ class Compacted:
     summary: str
     summary_tokens: int  # the summary as the template lays it in: the prefix's new tokens
     kept_tokens: int  # the window after the prefix: the turns kept whole
-    asked_tokens: int  # the request for the summary, evaluated after the folded turns
+    asked_tokens: int  # the request for the summary, evaluated after the window
     seconds: float
 
 

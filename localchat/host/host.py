@@ -79,6 +79,7 @@ class Host:
         self._stats: TextIO | None = open(stats_path, "a", encoding="utf-8") if stats_path else None
         self.scheduler: Scheduler | None = None
         self.editing = 0  # the turn `edit` chose: the next message replaces it, in a fork
+        self.compacted_by_hand = False  # /compact was the last thing done: /undo undoes it
 
     def after_turn(self, st: TurnStats) -> None:
         self._after_turn(st)
@@ -127,6 +128,7 @@ class Host:
 
     # ------------------------------------------------------------ turns
     def turn(self, request: Request | str, sink: TurnSink = QUIET) -> TurnStats:
+        self.compacted_by_hand = False
         if self.editing:
             self._fork_for_edit()
         return self.session.turn(request, sink)
@@ -147,11 +149,9 @@ class Host:
 
     # ------------------------------------------------------------ the conversation
     def undo(self) -> bool | None:
-        """Drop the last exchange (on disk too), or right after a compaction undo that; None when there is none,
-        False when the KV could not be rewound (the next turn recomputes)."""
+        """Drop the last exchange (on disk too); None when there is none, False when the KV could not be
+        rewound (the next turn recomputes)."""
         chat = self.session.chat
-        if self.uncompact():
-            return False
         if not chat.conv.turns:
             return None
         kept = chat.undo()
@@ -214,6 +214,7 @@ class Host:
         done = chat.compact(instructions)
         laid = chat.engine.prefill(chat.conv.window_tokens())
         self.session.flush_events()
+        self.compacted_by_hand = True
         return done, laid.recomputed, laid.seconds
 
     def uncompact(self) -> bool:
@@ -221,6 +222,7 @@ class Host:
         done = compaction.undo(self.session.chat)
         if done:
             self.session.flush_events()
+        self.compacted_by_hand = False
         return done
 
     def pin(self) -> bool:

@@ -65,7 +65,7 @@ class Kept:
     store: SessionDir
     messages: list[dict[str, Any]]  # as the client will send them back: the last reply included
     tools: list[dict[str, Any]]
-    tokens: list[int]  # what its KV holds: in the engine, in `copy`, or in the state on disk
+    tokens: list[int]  # what its KV holds: in the engine, its sequence, `copy`, or the state on disk
     copy: memoryview | None = None  # its state in memory, while it is not in the engine
     seq: int = 0  # the llama.cpp sequence it is parked in (0: not parked)
     unsaved: bool = False  # parked or copied, its KV is newer than its state on disk
@@ -255,7 +255,7 @@ class Served:
         owner, previous = self._owner(messages, ask.tools), self.live
         source, _ = self._source(prompt)
         if previous is not None and previous is not owner:
-            self._set_aside(prompt)  # the KV moves on from the conversation it holds
+            self._set_aside(prompt, keep=source)  # the KV moves on from the conversation it holds
         loaded = self._bring(source) if source is not None else 0
         stages.stamp("kv")
         try:

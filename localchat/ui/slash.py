@@ -98,6 +98,8 @@ def _system(ctx: CommandContext, arg: str) -> str:
 
 
 def _undo(ctx: CommandContext, arg: str) -> str:
+    if ctx.host.compacted_by_hand and ctx.host.uncompact():
+        return "compaction undone: the window is as it was (the next turn lays it in)"
     kept = ctx.host.undo()
     if kept is None:
         return "nothing to undo"
