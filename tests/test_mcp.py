@@ -301,7 +301,7 @@ def test_a_servers_resource_attaches_as_a_document_and_mcp_shows_and_restarts_th
         for bad, said in (("mcp:calendar/x://y", "no MCP server 'calendar'"), ("mcp:notes/notes://nope", "nope")):
             with pytest.raises(DocumentError, match=said):
                 attaching.add(chat, [bad])
-        ctx = SimpleNamespace(host=SimpleNamespace(session=SimpleNamespace(chat=chat)))
+        ctx = SimpleNamespace(host=SimpleNamespace(session=SimpleNamespace(chat=chat), cancel_edit=lambda: None))
         shown = slash.dispatch(ctx, "/mcp")
         assert shown.startswith("notes") and "ready: 5 tools, 1 resources" in shown
         old = set(tools.hub.servers["notes"].pids)
