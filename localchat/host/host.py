@@ -175,7 +175,8 @@ class Host:
         if not 1 <= turn <= conv.turns:
             raise RequestError(f"there is no turn {turn}: this chat has {conv.turns} (/history lists them)")
         if not conv.messages[conv.user_indices()[turn - 1]].in_window:
-            first = next(n for n, at in enumerate(conv.user_indices(), start=1) if conv.messages[at].in_window)
+            first = next((n for n, at in enumerate(conv.user_indices(), start=1) if conv.messages[at].in_window),
+                         conv.turns)
             raise RequestError(f"turn {turn} has left the window (the context filled): turns {first}-{conv.turns} "
                                "can be edited")
         self.editing = turn
