@@ -193,11 +193,20 @@ class Served:
             self.live = k
             self._save()
             self.live = None
-        view = self.engine.state_bytes()
-        owned = self.engine.staging is not None and self.engine.staging.owns(view)
-        k.copy, k.tokens = (memoryview(bytearray(view)) if owned else view), self.engine.tokens[:self.engine.n_kv]
-        if owned:
-            self.engine.state_done(view)
+        k.copy, k.tokens = self._memory_copy(), self.engine.tokens[:self.engine.n_kv]
+        self._trim_copies()
+
+    def _memory_copy(self, seq: int = 0) -> memoryview:
+        """A sequence's state copied into memory of its own (out of the pinned buffer, which goes back)."""
+        view = self.engine.state_bytes(seq)
+        if self.engine.staging is None or not self.engine.staging.owns(view):
+            return view
+        copy = memoryview(bytearray(view))
+        self.engine.state_done(view)
+        return copy
+
+    def _trim_copies(self) -> None:
+        """The copies in memory kept within RAM_COPIES and a quarter of the free memory, the most recent first."""
         budget, count = psutil.virtual_memory().available // 4, 0  # copies leave most of the free memory free
         for other in sorted((c for c in self.kept if c.copy is not None), key=lambda c: c.used, reverse=True):
             assert other.copy is not None
@@ -213,26 +222,29 @@ class Served:
         free = [s for s in range(1, self.engine.sequences) if s not in taken]
         if free:
             return free[0]
-        parked = sorted((k for k in self.kept if k.seq and k is not keep), key=lambda c: c.used)
-        return self._unpark_to_memory(parked[0]) if parked else 0
+        parked = self._least_used_parked(keep)
+        return self._unpark_to_memory(parked) if parked is not None else 0
+
+    def _least_used_parked(self, keep: Kept | None = None) -> Kept | None:
+        return min((k for k in self.kept if k.seq and k is not keep), key=lambda c: c.used, default=None)
 
     def _unpark_to_memory(self, k: Kept) -> int:
         """A parked conversation's KV copied into memory (saved first if the disk lacks it) and its cells freed;
         its sequence."""
-        seq, view = k.seq, self.engine.state_bytes(k.seq)
-        k.copy, k.seq = memoryview(bytearray(view)), 0
-        self.engine.state_done(view)
+        seq = k.seq
+        k.copy, k.seq = self._memory_copy(seq), 0
         self.engine.drop(seq)
         if k.unsaved:
             self._save_state(k, k.copy, k.tokens)
+        self._trim_copies()
         return seq
 
     def _make_room(self) -> bool:
         """llama.cpp found no free cells: the least used parked conversation leaves for memory (False: none)."""
-        parked = sorted((k for k in self.kept if k.seq), key=lambda c: c.used)
-        if not parked:
+        parked = self._least_used_parked()
+        if parked is None:
             return False
-        self._unpark_to_memory(parked[0])
+        self._unpark_to_memory(parked)
         return True
 
     # ------------------------------------------------------------ a request
