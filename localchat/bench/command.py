@@ -29,6 +29,7 @@ from localchat.bench.modes import Row, repeat_last_turn, run_localchat, run_raw,
 from localchat.bench.peer import PeerServer, run_llama_bench
 from localchat.engine import llama_version
 from localchat.options import overrides, profile_args
+from localchat.settings import Profile
 
 
 def _progress(done: int, total: int, label: str) -> None:
@@ -249,36 +250,36 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _assistant_bench(args: argparse.Namespace) -> int:
-    """--assistant: the task suite at temperature 0; JSON to --json, the summary to stdout."""
-    from localchat.bench import assistant
-    o = overrides(args)
-    o["temperature"] = 0.0
-    profile = runtime.load_profile(args.profile, o)
-    result = assistant.run_assistant(profile, args, _report)
+def _greedy_profile(args: argparse.Namespace) -> Profile:
+    """The profile as the options make it, at temperature 0 (a suite's answers the same every run)."""
+    return runtime.load_profile(args.profile, {**overrides(args), "temperature": 0.0})
+
+
+def _written(args: argparse.Namespace, result: dict, lines: list[str]) -> int:
+    """The result (with the versions) to --json, its summary lines to stdout."""
     result["versions"] = {"llama_cpp_python": llama_version()}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    for line in assistant.summary_lines(result):
+    for line in lines:
         sys.stdout.write(line + "\n")
     return 0
+
+
+def _assistant_bench(args: argparse.Namespace) -> int:
+    """--assistant: the task suite at temperature 0; JSON to --json, the summary to stdout."""
+    from localchat.bench import assistant
+    result = assistant.run_assistant(_greedy_profile(args), args, _report)
+    return _written(args, result, assistant.summary_lines(result))
 
 
 def _serve_bench(args: argparse.Namespace) -> int:
     """--serve: both servers in processes of their own; JSON to --json, the table to stdout."""
     from localchat.bench import serve
-    o = overrides(args)
-    o["temperature"] = 0.0
-    profile = runtime.load_profile(args.profile, o)
     passed = [a for flag, value in (("--profile", args.profile), ("--model", args.model), ("--ctx", args.n_ctx))
               if value is not None for a in (flag, str(value))]
-    result = serve.run_serve_bench(profile, [*passed, "--temperature", "0"], args.peer_server or "", _report)
-    result["versions"] = {"llama_cpp_python": llama_version()}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    for line in serve.summary_lines(result):
-        sys.stdout.write(line + "\n")
-    return 0
+    result = serve.run_serve_bench(_greedy_profile(args), [*passed, "--temperature", "0"], args.peer_server or "",
+                                   _report)
+    return _written(args, result, serve.summary_lines(result))
 
 
 def _search_bench(args: argparse.Namespace) -> int:
