@@ -315,6 +315,9 @@ def search_parser() -> argparse.ArgumentParser:
     p.add_argument("--until", metavar="DATE", help="before this date")
     p.add_argument("--role", choices=("user", "assistant", "tool"), help="only the user's, the model's or tools'")
     p.add_argument("--thoughts", action="store_true", help="search reasoning models' thoughts too")
+    p.add_argument("--summaries", action="store_true",
+                   help="search the model's summaries of compacted turns too (never a match for your own words "
+                        "otherwise)")
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--words", action="store_true", help="by words alone, where the profile sets an embedding_model")
     p.add_argument("--json", action="store_true")
@@ -331,8 +334,9 @@ def cmd_search(argv: Sequence[str]) -> int:
     profile = runtime.load_profile(args.profile, overrides(args))
     embedding = None if args.words else runtime.embedding_for(profile, _report, threads=os.cpu_count() or 1)
     try:
+        kinds = search_kinds(args.role, args.thoughts, args.summaries)
         hits, notice = matches(" ".join(args.query), args.limit, embedding, _embedding_progress, session=args.session,
-                               since=args.since, until=args.until, kinds=search_kinds(args.role, args.thoughts))
+                               since=args.since, until=args.until, kinds=kinds)
     except FAILURES as exc:
         raise ProfileError(f"search: {exc}") from None
     if notice:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
 from collections.abc import Iterable
@@ -69,3 +71,47 @@ def walk_files(root: Path, most: int) -> list[Path]:
         if len(found) > most:
             break
     return found
+
+
+def _identity(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+
+
+def _read_digests(cache: Path) -> dict[str, Any]:
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def known_sha256(path: Path, cache: Path) -> str | None:
+    """The file's sha256 ("sha256:HEX") where this very file (path, size, mtime, inode) was hashed before,
+    without reading it."""
+    try:
+        value = _read_digests(cache).get(_identity(path))
+    except OSError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def file_sha256(path: Path, cache: Path) -> str:
+    """The sha256 of the file's whole content ("sha256:HEX"), read once per file identity and kept in `cache`
+    (JSON), so a start does not read a large file it has seen again; OSError where the file cannot be read."""
+    known = _read_digests(cache)
+    key = _identity(path)
+    if isinstance(known.get(key), str):
+        return str(known[key])
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(16 << 20):
+            digest.update(block)
+    value = "sha256:" + digest.hexdigest()
+    known = {**_read_digests(cache), key: value}  # read again: another file may have been hashed meanwhile
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        atomic_write(cache, [json.dumps(known, indent=0).encode()])
+    except OSError:
+        pass  # a read-only home only costs the next run a re-hash
+    return value

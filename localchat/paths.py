@@ -37,6 +37,11 @@ def image_dir() -> Path:
     return home() / "image-cache"
 
 
+def digests_file() -> Path:
+    """Whole-file sha256s of models and projectors, by file identity (a start does not read them again)."""
+    return home() / "fingerprints.json"
+
+
 def models_dir() -> Path:
     env = os.environ.get("LOCALCHAT_MODELS")
     return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("localchat")) / "models"

@@ -130,11 +130,15 @@ class Profile:
     system: str | None = setting(None, "a text", flag="--system", short="-s", chat_only=True,
                                  help="system prompt (null: the template's default)")
     overflow: str = setting("auto", choices=OVERFLOW, flag="--overflow", chat_only=True,
-                            help="when the context fills (auto: shift where the model can, else rebuild; compact: "
-                                 "the oldest turns folded into the model's summary)")
+                            help="when the context fills (compact: the oldest turns folded into the model's summary; "
+                                 "auto: compact where the model has a chat template and the context is 1,024 tokens "
+                                 "or more, else shift where the KV can, else rebuild)")
     compact_at: float = setting(0.8, "a fraction of the context, 0.3 to 0.95", lambda v: 0.3 <= v <= 0.95,
                                 chat_only=True, help="overflow: compact folds the oldest turns when a turn and its "
                                                      "reply would pass this much of the context")
+    max_kv_writes_gb_per_day: float = setting(
+        20.0, "a number of GB, 0 (no cap) or more", lambda v: 0 <= v <= 1 << 20,
+        help="KV states this home may write a day (the SSD's wear); past it autosave saves at most every 15 minutes")
     autosave: bool = setting(True, flag="--no-autosave", chat_only=True,
                              help="save the KV after turns (off: only on /save)")
     max_kv_disk_gb: float = setting(10.0, "a number of GB, 0 or more", lambda v: 0 <= v <= 1 << 20,

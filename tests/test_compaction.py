@@ -6,6 +6,7 @@ answered where overflow: shift has lost it."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,8 @@ def records(home: Path, session: str) -> list[dict]:
 
 
 def test_sixty_turns_in_a_2048_context_compact_and_every_other_turn_evaluates_its_own(home, tmp_path):
-    stats = tmp_path / "stats.jsonl"
-    r = chat(home, "demo", QUESTIONS, stats, "--ctx", "2048", "--overflow", "compact", "--session", "long")
+    stats = tmp_path / "stats.jsonl"  # overflow auto: the demo model has a chat template, so it compacts
+    r = chat(home, "demo", QUESTIONS, stats, "--ctx", "2048", "--session", "long")
     assert r.returncode == 0, r.stderr
     turns = rows(stats)
     assert [t["turn"] for t in turns] == list(range(1, 61)) and not any(t["cut"] for t in turns)
@@ -49,8 +50,7 @@ def test_sixty_turns_in_a_2048_context_compact_and_every_other_turn_evaluates_it
     assert len(summaries) == len(compactions) and all(s["summary"] for s in summaries)
     # resumed: the window as compacted (the summary in it), the KV restored, nothing recomputed
     again = tmp_path / "again.jsonl"
-    r = chat(home, "demo", ["One more question about the sea."], again, "--ctx", "2048", "--overflow", "compact",
-             "--session", "long")
+    r = chat(home, "demo", ["One more question about the sea."], again, "--ctx", "2048", "--session", "long")
     (resumed,) = rows(again)
     assert resumed["kv_restored"] and resumed["recomputed_tokens"] <= resumed["new_tokens"] + 1, resumed
 
@@ -70,6 +70,12 @@ def test_compact_by_hand_and_undo_restore_the_window(home, tmp_path):
     assert kinds == ["compact", "uncompact", "compact", "uncompact", "compact"]
     said = [r["content"] for r in records(home, "hand") if r.get("t") == "msg" and r["role"] == "user"]
     assert said == QUESTIONS[:9]  # /undo undid the compaction, not the eighth exchange
+    # search: a summary is the model's words, found only with --summaries
+    summary = next(r["summary"] for r in records(home, "hand") if r["t"] == "compact")
+    word = max(re.findall(r"[A-Za-z]{4,}", summary), key=len)
+    found = lambda *extra: [h["kind"] for h in json.loads(run_cli(  # noqa: E731
+        ["search", word, "--words", "--json", *extra], env={"LOCALCHAT_HOME": str(home)}).stdout)]
+    assert "summary" in found("--summaries") and "summary" not in found(), (word, summary)
 
 
 def test_compact_on_an_empty_chat_and_a_summary_that_fails_lose_nothing(home, tmp_path):

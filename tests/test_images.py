@@ -455,3 +455,21 @@ def test_a_phone_photo_is_turned_upright_and_a_glob_attaches_images(vision_model
     assert f"[image: {shots}/camera.jpg, 50x30, {IMAGE_TOKENS} tokens]" in r.stderr
     assert f"attached {shots}/notes.txt" in r.stderr and "binary" not in r.stderr
     assert st[0]["image_encoded"] == 3 * IMAGE_TOKENS
+
+
+def test_a_projector_differing_only_in_its_middle_gets_its_own_image_cache_entries(demo_path, tmp_path, home):
+    first = make_projector(tmp_path / "mmproj-a.gguf", embd=512, ff=2048, layers=2, heads=4)  # 15 MB
+    data = bytearray(first.read_bytes())
+    data[len(data) // 2] ^= 0x01  # a weight in the middle: its metadata, tensor table and tail as they were
+    second = tmp_path / "mmproj-b.gguf"
+    second.write_bytes(bytes(data))
+    photo = picture(tmp_path / "photo.png")
+    encoded = []
+    for projector in (first, second, second):
+        r, st = chat(demo_path, tmp_path, projector.stem, "What is in the picture?\n", "--attach", str(photo),
+                     "--mmproj", str(projector), "--no-session")
+        assert r.returncode == 0, r.stderr
+        encoded.append(st[0]["image_encoded"])
+    assert encoded == [IMAGE_TOKENS, IMAGE_TOKENS, 0]  # the second has its own entries, and finds them again
+    digests = json.loads((home / "fingerprints.json").read_text())  # each hashed once, kept by file identity
+    assert sum(str(first) in key or str(second) in key for key in digests) == 2

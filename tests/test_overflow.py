@@ -22,7 +22,7 @@ def read(path):
 
 def test_forty_turns_in_1024_tokens_shift_without_recomputing(home, tmp_path):
     stats = tmp_path / "s.jsonl"
-    r = run(home, "--session", "long", stats=stats)
+    r = run(home, "--session", "long", "--overflow", "shift", stats=stats)  # auto would compact at 1,024
     assert r.returncode == 0 and "localchat:" not in r.stderr, r.stderr
     rows = read(stats)
     assert len(rows) == 40
@@ -38,7 +38,7 @@ def test_forty_turns_in_1024_tokens_shift_without_recomputing(home, tmp_path):
     assert sum(1 for x in records if x.get("t") == "msg" and x["role"] == "user") == 40
     # resumed after shifts: the KV window comes back exactly and is reused
     after = tmp_path / "after.jsonl"
-    r = run(home, "--session", "long", lines=["One more fact?"], stats=after)
+    r = run(home, "--session", "long", "--overflow", "shift", lines=["One more fact?"], stats=after)
     (st,) = read(after)
     assert "KV restored from disk" in r.stderr
     assert st["kv_restored"] and st["recomputed_tokens"] <= st["new_tokens"] + 1

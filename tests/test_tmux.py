@@ -183,7 +183,7 @@ def test_a_whole_tool_loop_in_a_real_terminal(home, tmp_path, tools_model):
         t.kill()
 
 
-def test_edit_n_puts_the_turn_in_the_input_line_and_sending_it_forks(home, tmp_path, demo_path):
+def test_edit_n_and_up_on_an_empty_line_put_a_turn_in_the_input_line_and_sending_it_forks(home, tmp_path, demo_path):
     t, read = start(home, tmp_path / "stats.jsonl", "--model", str(demo_path), "--max-tokens", "8", "--session", "ed")
     try:
         t.wait_for(lambda s: "/help for commands" in s and "\n>" in s)
@@ -197,6 +197,20 @@ def test_edit_n_puts_the_turn_in_the_input_line_and_sending_it_forks(home, tmp_p
         t.wait_for(lambda s: len(read()) == 4)
         edited = read()[3]
         assert edited["turn"] == 2 and edited["recomputed_tokens"] <= edited["new_tokens"] + 1, edited
+        # Up on the empty line offers this chat's turns, newest first; Down walks back, past the newest: empty
+        t.wait_for(lambda s: [x.rstrip() for x in s.splitlines() if x.strip()][-2:-1] == [">"])
+        t.keys("Up")
+        t.wait_for(lambda s: "> Name a blue fish." in s and "editing turn 2 of 2" in s)
+        t.keys("Up")
+        t.wait_for(lambda s: "> Name a red fruit." in s and "editing turn 1 of 2" in s)
+        t.keys("Down", "Down")
+        t.wait_for(lambda s: "editing turn" not in s and [x.rstrip() for x in s.splitlines() if x.strip()][-2:-1] == [">"])
+        t.keys("Up", "Up")
+        t.wait_for(lambda s: "editing turn 1 of 2" in s)
+        t.keys("BSpace", "BSpace", "BSpace", "BSpace", "BSpace", "BSpace", "berry.", "Enter")  # fruit. -> berry.
+        t.wait_for(lambda s: len(read()) == 5)
+        picked = read()[4]
+        assert picked["turn"] == 1 and picked["recomputed_tokens"] <= picked["new_tokens"] + 1, picked
         t.quit()
     finally:
         t.kill()
@@ -204,3 +218,5 @@ def test_edit_n_puts_the_turn_in_the_input_line_and_sending_it_forks(home, tmp_p
                          (home / "sessions" / name / "transcript.jsonl").read_text().splitlines()]
     assert "Name a blue fish." in said("ed-fork") and "Name a green tree." not in said("ed-fork")
     assert "Name a blue bird." in said("ed") and "Name a blue fish." not in said("ed")
+    assert "Name a red berry." in said("ed-fork-fork") and "Name a red fruit." not in said("ed-fork-fork")
+    assert "Name a red fruit." in said("ed-fork")  # the chat the turn was picked from stays as it was

@@ -44,6 +44,7 @@ KEEP = 0.25  # of the context: the most recent turns kept whole (at least the la
 RETRY_TURNS = 2  # after a compaction folded nothing, automatic ones wait this many turns (the window shifts)
 SUMMARY_MOST = 0.2  # of the context: the summary's bound in tokens
 SUMMARY_LEAST = 64  # tokens: the least room a summary is asked to fit in
+CTX_LEAST = 1024  # tokens: overflow auto compacts from here; below, the summary and kept quarter crowd out turns
 ASK = ("Write notes on our conversation so far, to stand in for it from now on: everything the user told you "
        "(names, dates, times, numbers, plans, decisions) and what is still open, as short sentences that start "
        "with 'The user'. Write only the notes.")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,8 @@ def system(conv: Conversation) -> Record:
 
 def compact(users: list[int], tokens: int, summary: str) -> Record:
     """Compaction: these exchanges (their user messages' indices) left the window, `summary` in their place."""
-    return {"t": "compact", "users": list(users), "tokens": tokens, "summary": summary}
+    return {"t": "compact", "users": list(users), "tokens": tokens, "summary": summary,
+            "at": datetime.now().isoformat(timespec="seconds")}
 
 
 def uncompact() -> Record:

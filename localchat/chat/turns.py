@@ -94,6 +94,10 @@ class Chat:
 
     @property
     def compacts(self) -> bool:
+        """Whether the oldest turns are folded into the model's summary: overflow compact, or auto where the model
+        has a chat template of its own (it follows instructions) and the context holds a summary and kept turns."""
+        if self.settings.overflow == "auto":
+            return not self.fmt.is_fallback and self.engine.n_ctx >= compaction.CTX_LEAST
         return self.settings.overflow == "compact"
 
     def compact(self, instructions: str = "", st: TurnStats | None = None) -> compaction.Compacted:

@@ -6,6 +6,7 @@ not even the split: its layout is cached with its embeddings."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -18,14 +19,15 @@ try:
 except (OSError, RuntimeError):  # a llama-cpp-python without a loadable libmtmd chats; only images need it
     M = None  # type: ignore[assignment]
 
+from localchat import paths
 from localchat.engine import media
 from localchat.engine.backend import log_callback
 from localchat.engine.context import Engine
 from localchat.engine.media import Embedding
 from localchat.errors import DocumentError, ModelError
+from localchat.fsutil import file_sha256
 
 log = logging.getLogger(__name__)
-FINGERPRINT_HEAD, FINGERPRINT_TAIL = 4 << 20, 1 << 20  # bytes of the projector hashed for its identity
 LAYOUT_FORMAT = 1
 
 
@@ -40,13 +42,9 @@ class ImageTokens:
 
 
 def fingerprint(path: Path) -> str:
-    """The projector's identity for cache keys: its size, its head (metadata, tensor table) and its tail."""
-    h = hashlib.sha256(str(path.stat().st_size).encode())
-    with path.open("rb") as f:
-        h.update(f.read(FINGERPRINT_HEAD))
-        f.seek(max(0, path.stat().st_size - FINGERPRINT_TAIL))
-        h.update(f.read(FINGERPRINT_TAIL))
-    return h.hexdigest()
+    """The projector's identity for cache keys: the sha256 of its whole content (two fine-tunes may differ only in
+    the middle), read once per file identity."""
+    return file_sha256(path, paths.digests_file()).removeprefix("sha256:")
 
 
 class Projector:
@@ -72,8 +70,13 @@ class Projector:
             self.ctx = self._open(model_name)
         self.mrope = bool(M.mtmd_decode_use_mrope(self.ctx))  # libmtmd's placement, from the text model
         # an image's layout and encoding depend on the budget too: the cache keeps each budget's apart
-        self.fingerprint = fingerprint(path) + (f":{cap[0]}-{cap[1]}" if capped else "")
+        self._budget = f":{cap[0]}-{cap[1]}" if capped else ""
         self.n_vocab = lc.llama_vocab_n_tokens(engine.vocab)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Read at the first image (a text-only chat never reads a large projector whole), then known by identity."""
+        return fingerprint(self.path) + self._budget
 
     def _open(self, model_name: str, cap: tuple[int, int] = (0, 0)) -> object:
         params = M.mtmd_context_params_default()

@@ -456,8 +456,7 @@ class Served:
 
         def job() -> None:
             header = kv.write(store.state, payload, tokens)
-            store.write_meta({**kv.meta(store.name, store.read_meta().get("created", time.time()), turns, header),
-                              "served": True})
+            store.write_meta({**kv.meta(store.name, time.time(), turns, header, store.read_meta()), "served": True})
             kv.prune(keep=store.state)
 
         self.session.writer.submit(job, dropped=lambda: kv.engine.state_done(payload), key=f"served:{store.state}")

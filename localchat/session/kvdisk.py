@@ -14,7 +14,7 @@ from typing import Any
 from localchat import paths
 from localchat.engine import Engine, llama_version
 from localchat.fsutil import atomic_write
-from localchat.session import statefile
+from localchat.session import statefile, writes
 from localchat.session.fingerprint import ModelHasher
 from localchat.session.statefile import StateHeader, StateRejected
 
@@ -22,6 +22,7 @@ META_FORMAT = 1
 DEFAULT_LOAD_BPS = 400e6  # until a restore on this machine has been measured
 DEFAULT_COPY_BPS = 1e9  # until the first copy out of llama.cpp has been measured
 AUTOSAVE_SHARE = 0.05
+SPACED_S = 900.0  # past the day's write budget: autosave saves at most this often (and at exit)
 SAMPLE_BYTES = 16 << 20  # read and hashed to estimate a restore's speed
 SPEEDS_FILE = "speeds.json"
 PREFIX_META_SUFFIX = ".json"  # beside each prefix store state: what it holds (`localchat cache list`)
@@ -46,6 +47,7 @@ class SavedWith:
     profile_name: str
     kv_bytes_per_token: int
     max_disk_bytes: int
+    max_writes_per_day: int = 0  # bytes of KV this home may write a day before autosave spaces its saves (0: no cap)
 
 
 def check_state(header: StateHeader, window: list[int], fingerprint: str | None,
@@ -78,6 +80,8 @@ class KVDisk:
         self.engine, self.hasher, self.about = engine, hasher, about
         self.copy_bps = DEFAULT_COPY_BPS  # speed of the copy out of llama.cpp, measured at each save
         self.measured: dict[str, float] = {}  # speeds measured in this run, saved with the next state
+        self.today = (writes.today(), writes.written_today())  # this home's KV writes: (day, bytes)
+        self.last_written = 0  # bytes the last write put on disk, header included
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -162,8 +166,17 @@ class KVDisk:
         """The KV copy blocks the chat, so it may take at most AUTOSAVE_SHARE of the time since the
         last save (idle time included): every turn for a person or a small model, less often for
         back-to-back turns on a large state. The transcript is saved every turn regardless."""
+        if self.over_budget:
+            return since_last_save >= SPACED_S
         size = self.engine.n_kv * self.about.kv_bytes_per_token
         return size / self.copy_bps <= AUTOSAVE_SHARE * since_last_save
+
+    @property
+    def over_budget(self) -> bool:
+        """Whether this home's KV writes today reached `max_writes_per_day`."""
+        if self.today[0] != writes.today():
+            self.today = (writes.today(), writes.written_today())
+        return 0 < self.about.max_writes_per_day <= self.today[1]
 
     def copy_out(self) -> tuple[memoryview, list[int], float]:
         """Copy the KV out of llama.cpp (the caller's thread); (payload, tokens, seconds)."""
@@ -179,16 +192,22 @@ class KVDisk:
         """Hash and write a state atomically (a background thread: it may wait for the model's hash)."""
         try:
             header = statefile.make_header(payload, self.hasher.value, self.settings, tokens, llama_version())
+            head = statefile.encode(header)
             paths.private_dir(path.parent)
-            atomic_write(path, [statefile.encode(header), payload])
+            atomic_write(path, [head, payload])
         finally:
             self.engine.state_done(payload)  # a pinned copy's buffer is free for the next
+        self.last_written = len(head) + len(payload)
+        self.today = (writes.today(), writes.add(self.last_written) or self.today[1] + self.last_written)
         return header
 
-    def meta(self, name: str, created: float, turns: int, header: StateHeader) -> dict[str, Any]:
-        """meta.json of a session whose state was just written: what `sessions list` shows."""
+    def meta(self, name: str, created: float, turns: int, header: StateHeader,
+             before: dict[str, Any]) -> dict[str, Any]:
+        """meta.json of a session whose state was just written (`before`: its last meta.json): what `sessions list`
+        shows, with the KV bytes written for it today and in all."""
         about = self.about
-        return {"format": META_FORMAT, "name": name, "created": created, "updated": time.time(),
+        return {"format": META_FORMAT, "name": name, "created": before.get("created", created), "updated": time.time(),
+                "kv_written": _tally(before.get("kv_written"), self.last_written),
                 "model": {"path": str(about.model_path), "name": about.model_name, "fingerprint": header.fingerprint},
                 "llama_cpp_python": header.llama_cpp_python, "kv_settings": header.kv_settings,
                 "profile": about.profile_name, "turns": turns, "tokens": len(header.tokens),
@@ -200,6 +219,14 @@ class KVDisk:
 
     def prune(self, keep: Path) -> None:
         prune_kv(self.about.max_disk_bytes, keep)
+
+
+def _tally(before: Any, nbytes: int) -> dict[str, Any]:
+    """A session's KV bytes written: today's and in all, `nbytes` more."""
+    was = before if isinstance(before, dict) else {}
+    total = int(was["total"]) if isinstance(was.get("total"), int) else 0
+    today = int(was["today"]) if was.get("day") == writes.today() and isinstance(was.get("today"), int) else 0
+    return {"day": writes.today(), "today": today + nbytes, "total": total + nbytes}
 
 
 def _estimate_load(path: Path, offset: int, header: StateHeader) -> float:

@@ -20,7 +20,7 @@ from localchat.errors import ChatEnded, LocalchatError, SessionError
 from localchat.runtime import Runtime
 from localchat.session.background import BackgroundWriter
 from localchat.session.fingerprint import ModelHasher
-from localchat.session.kvdisk import GIB, KVDisk, SavedWith
+from localchat.session.kvdisk import GIB, SPACED_S, KVDisk, SavedWith
 from localchat.session.memory import Indexer
 from localchat.session.prefixcache import PrefixCache
 from localchat.session.sessiondir import SessionDir, list_sessions
@@ -71,6 +71,8 @@ class Session:
         self.restore_note = ""
         self.ended = ""  # why the chat cannot go on (its model could not be loaded again): nothing runs
         self.after_last_turn = False
+        self.saved_bytes = 0  # KV state bytes of saves since the last turn's stats
+        self._budget_told = False  # the day's KV write budget was reached: said once
 
     def bind(self, rt: Runtime, prefix_store: bool, changed: bool = False) -> None:
         """The runtime (model, engine, chat) this session's turns and saves go to: the one it opened with,
@@ -78,7 +80,7 @@ class Session:
         self.rt, self.chat = rt, rt.chat
         self._dirty, self._saved_relayouts = changed, rt.chat.ahead.relayouts
         about = SavedWith(rt.model.path, rt.model.name, rt.profile.name, rt.kv_bytes_per_token,
-                          int(rt.profile.max_kv_disk_gb * GIB))
+                          int(rt.profile.max_kv_disk_gb * GIB), int(rt.profile.max_kv_writes_gb_per_day * GIB))
         self.kv = KVDisk(rt.engine, ModelHasher(rt.model.path, start=prefix_store), about)
         self.prefix_cache = PrefixCache(self.kv, self.writer) if prefix_store else None
         # images' encodings are kept on disk where the prefix store is (--no-session keeps nothing); a chat
@@ -214,11 +216,13 @@ class Session:
         if self.autosave:
             self._dirty = True
         if self.background or self.after_last_turn:
+            st.bytes_written, self.saved_bytes = self.saved_bytes, 0  # saves in idle time since the last row
             return
         self.chat.ahead.warm_next_head()  # the official form first: the saved state then holds it, and the head
         self._tell_layout_failure()
         if self._save_due():
             st.save_s = self.save()
+        st.bytes_written, self.saved_bytes = self.saved_bytes, 0
 
     def _tell_layout_failure(self) -> None:
         failure = self.chat.ahead.take_failure()
@@ -233,6 +237,12 @@ class Session:
     def _save_due(self) -> bool:
         if not (self.autosave and self.dirty):
             return False
+        if self.kv.over_budget and not self._budget_told:
+            self._budget_told = True
+            self.report(f"localchat: {self.kv.today[1] / GIB:.1f} GB of KV states written today reach "
+                        f"max_kv_writes_gb_per_day ({self.rt.profile.max_kv_writes_gb_per_day:g}): autosave now "
+                        f"saves the KV at most every {SPACED_S / 60:.0f} minutes and at exit (the transcript every "
+                        "turn)")
         if self.kv.save_due(time.monotonic() - self._last_save):
             return True
         self._set_status("deferred")
@@ -308,13 +318,14 @@ class Session:
         if self.rt.engine.n_swa and not self.rt.engine.config.swa_full:
             self.chat.ahead.drop_warm()  # a restored sliding-window state could not take the head back out
         payload, tokens, took = self.kv.copy_out()
+        self.saved_bytes += len(payload)
         self._last_save, self._dirty = time.monotonic(), False
         self._saved_relayouts = self.chat.ahead.relayouts
         store, kv, turns = self.store, self.kv, self.chat.conv.turns
 
         def job() -> None:
             header = kv.write(store.state, payload, tokens)
-            store.write_meta(kv.meta(store.name, store.read_meta().get("created", time.time()), turns, header))
+            store.write_meta(kv.meta(store.name, time.time(), turns, header, store.read_meta()))
             kv.keep_measured_speeds()
             kv.prune(keep=store.state)
 

@@ -26,9 +26,9 @@ from localchat.chat.transcript import parse
 from localchat.fsutil import PRIVATE_FILE
 from localchat.paths import home, private_dir
 
-FORMAT = "2"  # 2: sentence vectors beside the words (session/meaning.py)
+FORMAT = "3"  # 2: sentence vectors beside the words (session/meaning.py); 3: compaction summaries, a kind apart
 RARE = 20  # a word in more than one row in 20 is not searched beside rarer ones (see `_telling`)
-KINDS = ("question", "answer", "thoughts", "call", "result", "documents")
+KINDS = ("question", "answer", "thoughts", "call", "result", "documents", "summary")
 _WORD = re.compile(r"\w+", re.UNICODE)
 _COMMON = set("""a an the and or but if of to in on at by for with from about into over after before is are was
 were be been being am do does did done have has had i me my mine you your we us our they them their he him his she
@@ -193,6 +193,10 @@ class SearchIndex:
         if kind == "undo" and turns:
             self._drop(session, turns)
             return turns - 1, started, 0
+        if kind == "compact" and isinstance(r.get("summary"), str) and r["summary"].strip():
+            self._add(session, max(turns, 1), "summary", r["at"] if isinstance(r.get("at"), str) else started,
+                      r["summary"])  # the model's notes on folded turns: found only when asked (`--summaries`)
+            return turns, started, 1
         if kind != "msg" or r.get("role") not in ("user", "assistant", "tool") or not isinstance(r.get("content"), str):
             return turns, started, 0
         turns += r["role"] == "user"
@@ -295,11 +299,14 @@ def conditions(session: str | None, since: str | None, until: str | None,
     return [*where, f"rows.kind IN ({','.join('?' * len(kinds))})"], [*args, *kinds]
 
 
-def search_kinds(role: str | None, thoughts: bool = False) -> tuple[str, ...]:
-    """The kinds of rows a search covers: by whose they are (user, assistant, tool); thoughts on request."""
+def search_kinds(role: str | None, thoughts: bool = False, summaries: bool = False) -> tuple[str, ...]:
+    """The kinds of rows a search covers: by whose they are (user, assistant, tool); the model's thoughts and
+    its compaction summaries (its words about the user's, never taken for them) on request."""
     kinds = {"user": ("question", "documents"), "assistant": ("answer", "call"), "tool": ("result",)}
     chosen = kinds[role] if role else ("question", "documents", "answer", "call", "result")
-    return chosen + (("thoughts",) if thoughts and role in (None, "assistant") else ())
+    model_too = role in (None, "assistant")
+    return chosen + (("thoughts",) if thoughts and model_too else ()) + (("summary",) if summaries and model_too
+                                                                          else ())
 
 
 def _when(hit: Hit) -> str:

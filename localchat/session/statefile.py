@@ -1,6 +1,7 @@
 """The KV state file: our own checked header around llama.cpp's sequence state.
 
-Layout: b"LCKV" | u32 format version | u32 header length | header JSON | payload.
+Layout: b"LCKV" | u32 format version | u32 header length | u32 CRC-32 of the header | header JSON | payload
+(format 1, still read, had no header CRC: a flipped digit in its token list could pass as another token).
 The header names the model fingerprint, the KV settings, the tokens the KV holds and the
 payload's size and digest. Every check runs here, before llama.cpp sees a byte.
 
@@ -29,9 +30,11 @@ from typing import Any
 from localchat.engine.pinned import read_into
 
 MAGIC = b"LCKV"
-VERSION = 1
+VERSION = 2
+OLDEST_READ = 1  # format 1 files (no header CRC) still load: an upgrade does not throw the saved KV away
 MAX_HEADER = 16 << 20  # the token list of a 1M-token context fits well within this
 _PREFIX = struct.Struct("<4sII")
+_HEADER_CRC = struct.Struct("<I")
 CHUNK = 32 << 20
 MIN_CHUNK = 1 << 20  # smaller chunks are refused: a header could ask for billions of them
 DIGEST = "crc32"  # what a chunk's digest is, for the files written now
@@ -88,7 +91,7 @@ def payload_hasher(header: StateHeader) -> Callable[[], Any]:
 
 def encode(header: StateHeader) -> bytes:
     body = json.dumps(header.to_json(), separators=(",", ":")).encode()
-    return _PREFIX.pack(MAGIC, VERSION, len(body)) + body
+    return _PREFIX.pack(MAGIC, VERSION, len(body)) + _HEADER_CRC.pack(zlib.crc32(body)) + body
 
 
 def make_header(payload: bytes | memoryview, fingerprint: str, kv_settings: dict[str, Any], tokens: list[int],
@@ -118,35 +121,41 @@ def read_header(path: Path) -> tuple[StateHeader, int]:
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
-            head = f.read(_PREFIX.size)
-            hlen = _check_prefix(head, size)
+            hlen, start, crc = _check_prefix(f.read(_PREFIX.size + _HEADER_CRC.size), size)
+            f.seek(start)
             raw = f.read(hlen)
     except OSError as exc:
         raise StateRejected(f"cannot read the state file: {exc.strerror}") from exc
-    return _parse_header(raw, hlen, size)
+    return _parse_header(raw, crc, start, size)
 
 
 def read_header_bytes(data: bytes) -> tuple[StateHeader, int]:
     """read_header for a state held in memory (tests, tools)."""
-    hlen = _check_prefix(data[:_PREFIX.size], len(data))
-    return _parse_header(data[_PREFIX.size:_PREFIX.size + hlen], hlen, len(data))
+    hlen, start, crc = _check_prefix(data[:_PREFIX.size + _HEADER_CRC.size], len(data))
+    return _parse_header(data[start:start + hlen], crc, start, len(data))
 
 
-def _check_prefix(head: bytes, size: int) -> int:
-    """Magic, version and a header length the file can hold; returns the header length."""
+def _check_prefix(head: bytes, size: int) -> tuple[int, int, int | None]:
+    """Magic, version and a header length the file can hold; (the header's length, its offset, its CRC-32, None
+    in format 1)."""
     if len(head) < _PREFIX.size:
         raise StateRejected(f"state file is truncated ({size} bytes)")
-    magic, version, hlen = _PREFIX.unpack(head)
+    magic, version, hlen = _PREFIX.unpack(head[:_PREFIX.size])
     if magic != MAGIC:
         raise StateRejected("state file has no localchat header (foreign or damaged file)")
-    if version != VERSION:
+    if not OLDEST_READ <= version <= VERSION:
         raise StateRejected(f"state file format {version} is not {VERSION}")
-    if hlen > MAX_HEADER or _PREFIX.size + hlen > size:
+    start = _PREFIX.size + (_HEADER_CRC.size if version >= 2 else 0)
+    if len(head) < start:
+        raise StateRejected(f"state file is truncated ({size} bytes)")
+    if hlen > MAX_HEADER or start + hlen > size:
         raise StateRejected(f"state header length {hlen} is impossible for a {size}-byte file")
-    return hlen
+    return hlen, start, _HEADER_CRC.unpack(head[_PREFIX.size:start])[0] if version >= 2 else None
 
 
-def _parse_header(raw: bytes, hlen: int, size: int) -> tuple[StateHeader, int]:
+def _parse_header(raw: bytes, crc: int | None, start: int, size: int) -> tuple[StateHeader, int]:
+    if crc is not None and zlib.crc32(raw) != crc:
+        raise StateRejected("state header fails its checksum (damaged on disk)")
     try:
         d = json.loads(raw)
         digest = d["payload_digest"] if "payload_digest" in d else d["payload_sha256"]  # sha256: written before crc32
@@ -156,7 +165,7 @@ def _parse_header(raw: bytes, hlen: int, size: int) -> tuple[StateHeader, int]:
         chunk_hasher(header.digest)
     except (ValueError, KeyError, TypeError) as exc:
         raise StateRejected(f"state header is damaged ({type(exc).__name__})") from exc
-    offset = _PREFIX.size + hlen
+    offset = start + len(raw)
     if offset + header.payload_size != size:
         raise StateRejected(f"state file is {size} bytes, its header says {offset + header.payload_size} "
                             "(truncated or padded)")

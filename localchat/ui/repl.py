@@ -21,6 +21,7 @@ from typing import TextIO
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.buffer import Buffer
+from prompt_toolkit.filters import Condition
 from prompt_toolkit.formatted_text import FormattedText
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
@@ -37,6 +38,7 @@ from localchat.trace import TRACE
 from localchat.ui import approval, hangup, slash, status
 from localchat.ui.liveview import STYLE, LiveReply
 from localchat.ui.ttymode import keys_unechoed
+from localchat.ui.turnpick import TurnPicker
 
 Job = Callable[[Callable[[str], None], Callable[[], bool], Callable[[int, int], None]], "slash.Outcome | None"]
 SWITCH_S = 0.0001  # seconds a thread holds the GIL before one waiting for it gets it
@@ -82,6 +84,7 @@ class Repl:
         self.queued: list[str] = []  # sent with Enter while a reply streamed, in order
         self.terminal: TextIO | None = sys.stdout if output is None else None  # /copy writes OSC 52 here
         self.refill = ""  # text a command (/edit) put in the next input line
+        self.picker = TurnPicker(host)  # Up on an empty line: a turn to edit
         self.scheduler = host.start_engine_thread()
         self.ended = False  # the chat could not go on (its model could not be loaded again): exit code 2
         self.ending = 0  # SIGHUP or SIGTERM asked the chat to end: the reply in flight stops, then the loop
@@ -119,7 +122,18 @@ class Repl:
 
         @kb.add("c-c")
         def _(event) -> None:  # Ctrl-C at the prompt clears the line
+            self.picker.cancel()
+            self.bar.notice = ""
             event.current_buffer.reset()
+
+        @kb.add("up", filter=Condition(lambda: self.picker.offers(self.session.default_buffer)))
+        def _(event) -> None:  # a turn of this chat to edit, as /edit N (Ctrl-P still walks the input history)
+            self.bar.notice = self.picker.step(event.current_buffer, -1)
+
+        @kb.add("down", filter=Condition(lambda: bool(self.picker.turn) and
+                                         self.picker.offers(self.session.default_buffer)))
+        def _(event) -> None:
+            self.bar.notice = self.picker.step(event.current_buffer, +1)
 
         @kb.add("escape", "enter")
         def _(event) -> None:
@@ -256,8 +270,11 @@ class Repl:
                     continue
                 entered = self.entered or time.perf_counter()  # a batch of idle work in flight included
                 TRACE.stamp("prompt_returned")
+                self.picker.sent()
             pending = ""
             if not line.strip():
+                self.host.cancel_edit()  # a turn chosen for editing, its words cleared away: nothing to fork
+                self.bar.notice = ""
                 continue
             typeahead = self._typeahead()
             try:

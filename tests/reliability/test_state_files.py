@@ -8,6 +8,7 @@ import json
 import random
 import shutil
 import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -80,27 +81,29 @@ def check_outcome(rt, ctl, said: str, original: bytes, mutated: bytes | None) ->
 
 
 def _mutations(state: bytes, rng: random.Random) -> list[tuple[str, bytes | None]]:
-    magic, version, hlen = struct.unpack("<4sII", state[:12])
-    header = json.loads(state[12:12 + hlen])
-    payload = state[12 + hlen:]
+    magic, version, hlen, crc = struct.unpack("<4sIII", state[:16])
+    header = json.loads(state[16:16 + hlen])
+    payload = state[16 + hlen:]
     out: list[tuple[str, bytes | None]] = [("empty", b""), ("missing", None)]
-    cuts = [1, 4, 8, 11, 12, 13, 12 + hlen // 2, 12 + hlen, 12 + hlen + 1, len(state) - 1]
-    cuts += [rng.randrange(12 + hlen, len(state)) for _ in range(20)] + [rng.randrange(12, 12 + hlen) for _ in range(10)]
+    cuts = [1, 4, 8, 11, 12, 13, 15, 16, 17, 16 + hlen // 2, 16 + hlen, 16 + hlen + 1, len(state) - 1]
+    cuts += [rng.randrange(16 + hlen, len(state)) for _ in range(20)] + [rng.randrange(16, 16 + hlen) for _ in range(10)]
     out += [(f"truncated at {c}", state[:c]) for c in cuts]
     for _ in range(100):
         pos = rng.randrange(len(state))
         b = bytearray(state)
         b[pos] ^= 1 << rng.randrange(8)
         out.append((f"bit flip at {pos}", bytes(b)))
-    for n in (0, 1, 1 << 31, (1 << 32) - 1, len(state), len(state) - 12, statefile.MAX_HEADER + 1):
+    for n in (0, 1, 1 << 31, (1 << 32) - 1, len(state), len(state) - 16, statefile.MAX_HEADER + 1, hlen - 1):
         out.append((f"header length {n}", struct.pack("<4sII", magic, version, n) + state[12:]))
     out += [("magic", b"GGUF" + state[4:]), ("version 0", struct.pack("<4sII", magic, 0, hlen) + state[12:]),
-            ("version 99", struct.pack("<4sII", magic, 99, hlen) + state[12:]), ("zeros", bytes(len(state)))]
+            ("version 99", struct.pack("<4sII", magic, 99, hlen) + state[12:]), ("zeros", bytes(len(state))),
+            ("header crc", state[:12] + struct.pack("<I", crc ^ 1) + state[16:]),
+            ("version 1 with a crc", struct.pack("<4sII", magic, 1, hlen) + state[12:])]
     out += [(f"random {i}", rng.randbytes(rng.choice([5, 100, 5000, len(state)]))) for i in range(5)]
 
-    def with_header(h: dict) -> bytes:
+    def with_header(h: dict) -> bytes:  # a header's checksum made for it: the checks behind the checksum run
         body = json.dumps(h).encode()
-        return struct.pack("<4sII", magic, version, len(body)) + body + payload
+        return struct.pack("<4sIII", magic, version, len(body), zlib.crc32(body)) + body + payload
 
     for key in list(header):
         h = dict(header)
@@ -114,6 +117,7 @@ def _mutations(state: bytes, rng: random.Random) -> list[tuple[str, bytes | None
         out += [(f"header {key}={str(v)[:20]}", with_header({**header, key: v})) for v in values]
     out.append(("benign: other llama-cpp-python version", with_header({**header, "llama_cpp_python": "9.9"})))
     out.append(("benign: unknown extra key", with_header({**header, "note": "hello"})))
+    out.append(("benign: format 1, no header checksum", struct.pack("<4sII", magic, 1, hlen) + state[16:]))
     return out
 
 
@@ -147,6 +151,20 @@ def test_state_rejections_name_their_reason(lab, monkeypatch):
     for name, (src, reason) in expect.items():
         said, _ = resume(home, rt, {**files, "kv.state": pristine(home, src)["kv.state"]})
         assert f"saved KV not used: the state was {reason}" in said or reason in said, (name, said)
+
+
+def test_every_bit_flipped_in_a_state_header_is_refused_in_one_line(lab):
+    state = pristine(lab[0])["kv.state"]
+    _, offset = statefile.read_header_bytes(state)  # the prefix, the header's checksum and the header itself
+    reasons = set()
+    for bit in range(offset * 8):
+        flipped = bytearray(state)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(statefile.StateRejected) as why:
+            statefile.read_header_bytes(bytes(flipped))
+        assert "\n" not in str(why.value)
+        reasons.add(str(why.value).split(" (")[0])
+    assert "state header fails its checksum" in reasons, reasons
 
 
 def test_mutated_metadata_and_transcripts(lab, tally, monkeypatch):
