@@ -145,11 +145,17 @@ def cmd_plan(argv: Sequence[str]) -> int:
 
 # ---------------------------------------------------------------- sessions
 def _session_row(s: SessionDir) -> dict:
+    from localchat.session import writes
     m = s.read_meta()
     conv = s.conversation()
+    raw = m.get("kv_written")
+    written: dict[str, Any] = raw if isinstance(raw, dict) else {}
     return {"name": s.name, "turns": conv.turns, "tokens": m.get("tokens", len(conv.window_tokens())),
-            "model": m.get("model", {}).get("name"), "size": s.size_on_disk(), "last_used": m.get("updated"),
-            "profile": m.get("profile"), "origin": s.read_origin() or None}
+            "model": m.get("model", {}).get("name"), "size": s.size_on_disk(),
+            "state_size": s.state.stat().st_size if s.state.exists() else 0, "last_used": m.get("updated"),
+            "profile": m.get("profile"), "origin": s.read_origin() or None,
+            "kv_written_today": written.get("today", 0) if written.get("day") == writes.today() else 0,
+            "kv_written_total": written.get("total", 0)}
 
 
 def as_tree(rows: list[dict]) -> list[tuple[int, dict]]:
@@ -254,7 +260,7 @@ def cmd_sessions(argv: Sequence[str]) -> int:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["last_used"])) if r["last_used"] else "-"
             name = f"{'  ' * (depth - 1)}└ {r['name']}" if depth else r["name"]
             fork = f"  (fork of {r['origin']['session']} at turn {r['origin']['turn']})" if depth else ""
-            _out(f"{name:<28} {r['turns']:>4} turns {r['tokens']:>7} tok  {r['size'] / 1e6:>8.1f} MB  "
+            _out(f"{name:<28} {r['turns']:>4} turns {r['tokens']:>7} tok  KV {r['state_size'] / 1e6:>8.1f} MB  "
                  f"{when}  {r['model'] or '-'}{fork}")
         return 0
     if not args.name:

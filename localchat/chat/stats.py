@@ -100,7 +100,7 @@ class TurnStats:
     shifted_tokens: int = 0
     kv_restored: bool = False
     save_s: float = 0.0
-    bytes_written: int = 0  # KV state bytes saved since the previous row (this turn's own save, where it ran at once)
+    bytes_written: int = 0  # KV state bytes the writer put on disk since the previous row (a save still running: next)
     stop_reason: str = ""
     cut: bool = False
     turns_left_window: int = 0

@@ -82,6 +82,7 @@ class KVDisk:
         self.measured: dict[str, float] = {}  # speeds measured in this run, saved with the next state
         self.today = (writes.today(), writes.written_today())  # this home's KV writes: (day, bytes)
         self.last_written = 0  # bytes the last write put on disk, header included
+        self.written = 0  # bytes all its writes put on disk (the writer's thread adds; turns report the growth)
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -198,6 +199,7 @@ class KVDisk:
         finally:
             self.engine.state_done(payload)  # a pinned copy's buffer is free for the next
         self.last_written = len(head) + len(payload)
+        self.written += self.last_written
         self.today = (writes.today(), writes.add(self.last_written) or self.today[1] + self.last_written)
         return header
 

@@ -71,7 +71,6 @@ class Session:
         self.restore_note = ""
         self.ended = ""  # why the chat cannot go on (its model could not be loaded again): nothing runs
         self.after_last_turn = False
-        self.saved_bytes = 0  # KV state bytes of saves since the last turn's stats
         self._budget_told = False  # the day's KV write budget was reached: said once
 
     def bind(self, rt: Runtime, prefix_store: bool, changed: bool = False) -> None:
@@ -82,6 +81,7 @@ class Session:
         about = SavedWith(rt.model.path, rt.model.name, rt.profile.name, rt.kv_bytes_per_token,
                           int(rt.profile.max_kv_disk_gb * GIB), int(rt.profile.max_kv_writes_gb_per_day * GIB))
         self.kv = KVDisk(rt.engine, ModelHasher(rt.model.path, start=prefix_store), about)
+        self._reported_written = 0  # of kv.written, in turns' stats so far
         self.prefix_cache = PrefixCache(self.kv, self.writer) if prefix_store else None
         # images' encodings are kept on disk where the prefix store is (--no-session keeps nothing); a chat
         # whose projector is off still evaluates the images of its history from them
@@ -216,13 +216,19 @@ class Session:
         if self.autosave:
             self._dirty = True
         if self.background or self.after_last_turn:
-            st.bytes_written, self.saved_bytes = self.saved_bytes, 0  # saves in idle time since the last row
+            st.bytes_written = self._written_since_last_row()
             return
         self.chat.ahead.warm_next_head()  # the official form first: the saved state then holds it, and the head
         self._tell_layout_failure()
         if self._save_due():
             st.save_s = self.save()
-        st.bytes_written, self.saved_bytes = self.saved_bytes, 0
+        st.bytes_written = self._written_since_last_row()
+
+    def _written_since_last_row(self) -> int:
+        """KV state bytes the writer put on disk since the last turn's stats (a save still being written: the next)."""
+        written = self.kv.written
+        grown, self._reported_written = written - self._reported_written, written
+        return grown
 
     def _tell_layout_failure(self) -> None:
         failure = self.chat.ahead.take_failure()
@@ -318,7 +324,6 @@ class Session:
         if self.rt.engine.n_swa and not self.rt.engine.config.swa_full:
             self.chat.ahead.drop_warm()  # a restored sliding-window state could not take the head back out
         payload, tokens, took = self.kv.copy_out()
-        self.saved_bytes += len(payload)
         self._last_save, self._dirty = time.monotonic(), False
         self._saved_relayouts = self.chat.ahead.relayouts
         store, kv, turns = self.store, self.kv, self.chat.conv.turns
