@@ -6,6 +6,7 @@ that building a parser stays cheap: the shells' completion builds one at every T
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -183,9 +184,9 @@ def as_tree(rows: list[dict]) -> list[tuple[int, dict]]:
 
 def verify_session(s: SessionDir) -> list[str]:
     """Every check a resume makes, without loading the model. Returns problems (empty: all good)."""
-    from localchat.session import statefile
+    from localchat.session import kvdelta, statefile
     from localchat.session.fingerprint import fingerprint
-    from localchat.session.kvdisk import check_state
+    from localchat.session.kvdisk import check_state, path_of_deltas
     problems = []
     conv = s.conversation()
     if not conv.messages:
@@ -207,6 +208,10 @@ def verify_session(s: SessionDir) -> list[str]:
     try:
         header, offset = statefile.read_header(s.state)
         statefile.read_payload(s.state, header, offset)
+        segments, _, torn = kvdelta.read(path_of_deltas(s.state), header.payload_digest)
+        if torn:
+            problems.append(f"{torn} (the resume restores the save before it)")
+        header = dataclasses.replace(header, tokens=kvdelta.tokens_after(header.tokens, segments))
         check_state(header, conv.window_tokens(), fp, settings if isinstance(settings, dict) else None)
     except statefile.StateRejected as exc:
         problems.append(f"KV state rejected: {exc}")

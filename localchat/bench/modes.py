@@ -89,7 +89,6 @@ def _first_token(engine: Engine, tokens: list[int], t0: float, sampler) -> tuple
 
 def _resume(rt: runtime.Runtime, ctl: Session, store: SessionDir) -> dict:
     """Drop the KV (as a new process would have none), time both ways back, then resume for real."""
-    from localchat.session import statefile
     engine = rt.engine
     greedy = engine.make_sampler(SamplingConfig(temperature=0))
     window = ctl.chat.conv.window_tokens()
@@ -107,9 +106,8 @@ def _resume(rt: runtime.Runtime, ctl: Session, store: SessionDir) -> dict:
     resume_s = time.perf_counter() - t0
     chose_restore = ctl.restored
     t0 = time.perf_counter()
-    header, offset = statefile.read_header(store.state)
-    payload = statefile.read_payload(store.state, header, offset)
-    engine.load_state(payload, header.tokens)
+    saved = ctl.kv.saved(store.state)  # the base and the saves after it, as a resume reads them
+    ctl.kv.load_saved(saved)
     load_s = time.perf_counter() - t0
     _, restore_first = _first_token(engine, window, t0, greedy)
     ctl.note_restored()
@@ -117,7 +115,7 @@ def _resume(rt: runtime.Runtime, ctl: Session, store: SessionDir) -> dict:
     ctl.chat.ahead.warm_next_head()
     faster = "restore" if load_s < prefill_s else "re-prefill"
     chosen = "restore" if chose_restore else "re-prefill"
-    return {"tokens": len(window), "state_bytes": header.payload_size, "load_s": load_s, "reprefill_s": prefill_s,
+    return {"tokens": len(window), "state_bytes": saved.size, "load_s": load_s, "reprefill_s": prefill_s,
             # from nothing in memory to the first token of the continuation, each way
             "restore_first_token_s": restore_first, "reprefill_first_token_s": reprefill_first,
             "chosen": chosen, "faster": faster, "resume_s": resume_s, "note": ctl.restore_note,

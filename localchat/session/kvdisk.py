@@ -5,20 +5,25 @@ copying it out for a save, the autosave budget, and the disk cap on all saved st
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from localchat import paths
 from localchat.engine import Engine, llama_version
 from localchat.fsutil import atomic_write
-from localchat.session import statefile, writes
+from localchat.session import kvdelta, statefile, writes
 from localchat.session.fingerprint import ModelHasher
 from localchat.session.statefile import StateHeader, StateRejected
 
+log = logging.getLogger(__name__)
 META_FORMAT = 1
+DELTA_SUFFIX = ".delta"  # beside a session's kv.state: the segments saved after it (session/kvdelta.py)
+DELTAS_GROW = 2.0  # segments past this many times their base: the next save is whole (a new base)
+MOST_SEGMENTS = 64  # and past this many (each is parsed at a restore)
 DEFAULT_LOAD_BPS = 400e6  # until a restore on this machine has been measured
 DEFAULT_COPY_BPS = 1e9  # until the first copy out of llama.cpp has been measured
 AUTOSAVE_SHARE = 0.05
@@ -73,6 +78,42 @@ class _PrefillFaster(Exception):
     pass
 
 
+class _Outgrown(Exception):
+    pass
+
+
+@dataclass
+class Saved:
+    """A session's saved KV as on disk: its base state and the segments after it (all checked but the base's
+    payload, which is checked as it is read)."""
+
+    path: Path
+    header: StateHeader  # the base's
+    offset: int
+    segments: list[kvdelta.Segment]
+    deltas_end: int  # where the valid segments end in the deltas file
+    torn: str  # why the chain stopped before the file's end ("" where it did not)
+
+    @property
+    def tokens(self) -> list[int]:
+        return kvdelta.tokens_after(self.header.tokens, self.segments)
+
+    @property
+    def size(self) -> int:
+        return self.header.payload_size + sum(s.size for s in self.segments)
+
+
+@dataclass
+class Chain:
+    """What the last save or restore left on disk for the session's state: the next save appends after it."""
+
+    path: Path
+    header: StateHeader  # the base's
+    tokens: list[int]  # what the base and its segments hold
+    segments: int
+    deltas_end: int
+
+
 class KVDisk:
     """One engine's KV and the files it is saved to and restored from."""
 
@@ -83,6 +124,7 @@ class KVDisk:
         self.today = (writes.today(), writes.written_today())  # this home's KV writes: (day, bytes)
         self.last_written = 0  # bytes the last write put on disk, header included
         self.written = 0  # bytes all its writes put on disk (the writer's thread adds; turns report the growth)
+        self.chain: Chain | None = None  # the session's state on disk, as its last save or restore left it
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -117,27 +159,61 @@ class KVDisk:
         """Load the saved state into the engine if it passes every check and loading beats
         re-prefilling the window; otherwise say why and leave the KV empty for a rebuild."""
         speeds = self.speeds()
+        self.chain = None
         try:
-            header, offset = statefile.read_header(path)
-            check_state(header, window, self.hasher.value, self.settings)
-            est_load = header.payload_size / speeds["load_bps"] if speeds.get("load_bps") else \
-                _estimate_load(path, offset, header)
+            saved = self.saved(path)
+            check_state(replace(saved.header, tokens=saved.tokens), window, self.hasher.value, self.settings)
+            est_load = saved.size / speeds["load_bps"] if speeds.get("load_bps") else \
+                _estimate_load(path, saved.offset, saved.header) * saved.size / max(saved.header.payload_size, 1)
             prefill_tps = speeds.get("prefill_tps")
             est_prefill = len(window) / prefill_tps if prefill_tps else float("inf")
             if est_prefill < est_load:
                 raise _PrefillFaster(f"re-prefill ({est_prefill:.2f} s est.) beats loading "
-                                     f"{header.payload_size / 1e6:.0f} MB ({est_load:.2f} s est.)")
+                                     f"{saved.size / 1e6:.0f} MB ({est_load:.2f} s est.)")
             t0 = time.perf_counter()
-            if not self.load(path, header, offset, header.tokens):
+            if not self.load_saved(saved):
                 raise StateRejected("llama.cpp refused the state data")
             took = time.perf_counter() - t0
-            self.save_speed("load_bps", header.payload_size / max(took, 1e-6))
-            note = f"KV restored from disk in {took:.3f} s ({len(header.tokens)} tokens"
-            return Restored(True, note + (f"; re-prefill est. {est_prefill:.2f} s)" if prefill_tps else ")"))
+            self.save_speed("load_bps", saved.size / max(took, 1e-6))
+            self.chain = Chain(path, saved.header, saved.tokens, len(saved.segments), saved.deltas_end)
+            note = f"KV restored from disk in {took:.3f} s ({len(saved.tokens)} tokens" + \
+                (f", {len(saved.segments)} saves after its base" if saved.segments else "") + \
+                (f"; re-prefill est. {est_prefill:.2f} s)" if prefill_tps else ")")
+            return Restored(True, note + (f"; {saved.torn}: the save before it was restored" if saved.torn else ""))
         except _PrefillFaster as why:
             return Restored(False, f"chose re-prefill: {why}")
         except StateRejected as why:
             return Restored(False, f"saved KV not used: {why}; rebuilding from the transcript", str(why))
+
+    def saved(self, path: Path) -> Saved:
+        """The saved state at `path` with the segments after it (StateRejected for a damaged base)."""
+        header, offset = statefile.read_header(path)
+        segments, end, torn = kvdelta.read(path_of_deltas(path), header.payload_digest)
+        return Saved(path, header, offset, segments, end, torn)
+
+    def load_saved(self, saved: Saved) -> bool:
+        """A saved state and its segments into llama.cpp, every byte checked first; False where llama.cpp refuses
+        it, StateRejected where a file is damaged or the segments do not fit their base."""
+        if not saved.segments:
+            return self.load(saved.path, saved.header, saved.offset, saved.header.tokens)
+        base = statefile.read_payload(saved.path, saved.header, saved.offset)
+        try:
+            pieces = kvdelta.merged([kvdelta.parse(base), *(kvdelta.parse(s.payload) for s in saved.segments)],
+                                    [s.cut for s in saved.segments])
+        except (kvdelta.Uncuttable, ValueError) as why:
+            raise StateRejected(f"the KV deltas do not fit their base ({why})") from None
+        size = sum(len(p) for p in pieces)
+        into = self.engine.staged(size)
+        buffer = memoryview(bytearray(size)) if into is None else into
+        try:
+            at = 0
+            for piece in pieces:
+                buffer[at:at + len(piece)] = piece
+                at += len(piece)
+            return self.engine.load_state(buffer, saved.tokens)
+        finally:
+            if into is not None:
+                self.engine.state_done(into)
 
     def load(self, path: Path, header: StateHeader, offset: int, tokens: list[int]) -> bool:
         """A checked state file's payload into llama.cpp (through the engine's pinned buffer where it has
@@ -203,6 +279,46 @@ class KVDisk:
         self.today = (writes.today(), writes.add(self.last_written) or self.today[1] + self.last_written)
         return header
 
+    def write_session(self, path: Path, payload: memoryview, tokens: list[int]) -> StateHeader:
+        """A session's save (the writer's thread): what changed since the last save, appended after its state as
+        a segment, where the layout can be cut and the segments stay within DELTAS_GROW of their base; else the
+        whole state, a new base (the segments after the old one dropped). The header the save now stands for."""
+        chain = self.chain if self.chain is not None and self.chain.path == path else None
+        if chain is not None:
+            try:
+                header = self._append(chain, payload, tokens)
+            except (kvdelta.Uncuttable, _Outgrown) as why:
+                log.info("the KV is saved whole: %s", why)
+            except BaseException:
+                self.engine.state_done(payload)
+                raise
+            else:
+                self.engine.state_done(payload)  # a pinned copy's buffer is free for the next
+                return header
+        header = self.write(path, payload, tokens)
+        path_of_deltas(path).unlink(missing_ok=True)  # after the new base is in place (a crash between: stale ones)
+        self.chain = Chain(path, header, list(tokens), 0, 0)
+        return header
+
+    def _append(self, chain: Chain, payload: memoryview, tokens: list[int]) -> StateHeader:
+        same = next((i for i, (a, b) in enumerate(zip(chain.tokens, tokens)) if a != b),
+                    min(len(chain.tokens), len(tokens)))
+        if same == len(tokens) == len(chain.tokens):
+            return replace(chain.header, tokens=list(tokens))  # nothing changed since: nothing to write
+        cells = kvdelta.added(payload, same, len(tokens))
+        segment = kvdelta.encode(chain.header.payload_digest, same, tokens[same:], cells)
+        if chain.deltas_end + len(segment) > DELTAS_GROW * chain.header.payload_size or \
+                chain.segments >= MOST_SEGMENTS:
+            raise _Outgrown(f"{chain.segments} segments, {chain.deltas_end + len(segment):,} bytes after a "
+                            f"{chain.header.payload_size:,}-byte base")
+        kvdelta.append(path_of_deltas(chain.path), segment, chain.deltas_end)
+        self.last_written = len(segment)
+        self.written += len(segment)
+        self.today = (writes.today(), writes.add(len(segment)) or self.today[1] + len(segment))
+        chain.tokens, chain.segments, chain.deltas_end = list(tokens), chain.segments + 1, \
+            chain.deltas_end + len(segment)
+        return replace(chain.header, tokens=list(tokens))
+
     def meta(self, name: str, created: float, turns: int, header: StateHeader,
              before: dict[str, Any]) -> dict[str, Any]:
         """meta.json of a session whose state was just written (`before`: its last meta.json): what `sessions list`
@@ -221,6 +337,10 @@ class KVDisk:
 
     def prune(self, keep: Path) -> None:
         prune_kv(self.about.max_disk_bytes, keep)
+
+
+def path_of_deltas(state: Path) -> Path:
+    return state.with_suffix(DELTA_SUFFIX)
 
 
 def _tally(before: Any, nbytes: int) -> dict[str, Any]:
@@ -249,13 +369,22 @@ def prune_kv(budget: int, keep: Path) -> None:
     transcripts never."""
     files = [p for p in paths.sessions_dir().glob("*/kv.state")] + list(paths.prefix_dir().glob("*.state")) + \
         list(paths.image_dir().glob("*.image"))  # images' encodings count too
-    stats = [(p.stat().st_mtime, p.stat().st_size, p) for p in files if p.exists()]
+    stats = [_kept(p) for p in files if p.exists()]
     total = sum(s for _, s, _ in stats)
     for _, size, path in sorted(stats):
         if total <= budget:
             break
         if path != keep:
             path.unlink(missing_ok=True)
+            path_of_deltas(path).unlink(missing_ok=True)  # its saves after it go with it
             if path.parent == paths.prefix_dir():
                 path.with_suffix(PREFIX_META_SUFFIX).unlink(missing_ok=True)
             total -= size
+
+
+def _kept(path: Path) -> tuple[float, int, Path]:
+    """A saved state's last use and its size on disk, the segments after it included."""
+    deltas = path_of_deltas(path)
+    extra = deltas.stat() if deltas.exists() else None
+    st = path.stat()
+    return max(st.st_mtime, extra.st_mtime if extra else 0.0), st.st_size + (extra.st_size if extra else 0), path

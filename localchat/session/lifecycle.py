@@ -329,7 +329,7 @@ class Session:
         store, kv, turns = self.store, self.kv, self.chat.conv.turns
 
         def job() -> None:
-            header = kv.write(store.state, payload, tokens)
+            header = kv.write_session(store.state, payload, tokens)
             store.write_meta(kv.meta(store.name, time.time(), turns, header, store.read_meta()))
             kv.keep_measured_speeds()
             kv.prune(keep=store.state)

@@ -47,6 +47,13 @@ def verify(home: Path, tmp: Path, name: str, completed: int) -> bool:
     return st["turn"] >= completed + 1 and st["recomputed_tokens"] <= st["new_tokens"] + 1 and kv_ok
 
 
+def _saving(sdir: Path) -> tuple[bool, int]:
+    """Whether a whole state is being written; the size of the deltas appended after it."""
+    deltas = sdir / "kv.delta"
+    return any(x.name.startswith(".kv.state.tmp") for x in sdir.glob(".*")), \
+        deltas.stat().st_size if deltas.exists() else 0
+
+
 def _wait(pred, timeout=60.0) -> None:
     deadline = time.time() + timeout
     while not pred() and time.time() < deadline:
@@ -75,11 +82,11 @@ def test_kill_9(home, tmp_path, tally, moment, trials):
             p = start(home, name, stats)
             if moment == "turn":
                 time.sleep(0.3 + rng.random() * 4)
-            else:  # the moment a state write is under way, after 1 to 3 saves
-                writing = lambda: any(x.name.startswith(".kv.state.tmp") for x in sdir.glob(".*"))  # noqa: E731
+            else:  # the moment a save is under way (a whole state, or a delta appended), after 1 to 3 saves
                 for _ in range(rng.randint(1, 3)):
-                    _wait(lambda: not writing() or p.poll() is not None)
-                    _wait(lambda: writing() or p.poll() is not None)
+                    before = _saving(sdir)[1]
+                    _wait(lambda: _saving(sdir)[0] or _saving(sdir)[1] != before
+                          or p.poll() is not None)
                 time.sleep(rng.random() * 0.005)
         p.send_signal(signal.SIGKILL)
         p.wait()

@@ -1,0 +1,229 @@
+"""KV deltas: a session's KV saved as a whole base state (kv.state) and segments appended after it (kv.delta),
+each holding only the cells a save added since the one before (the turn's tokens, or from where a rewind or a
+shift changed the KV). A save then writes what the turn added, not the whole state again.
+
+The cut is made in llama.cpp's own sequence state (llama-context.cpp `state_seq_get_data`: its magic and the
+sequence, then llama-kv-cache.cpp `state_write`): one stream, its cells' metadata (position, one sequence), then per layer the K rows of every cell, and the V rows (or, with V
+transposed when flash attention is off, per layer and channel, one element per cell). Any other layout (several
+streams, sliding-window or recurrent memories, M-RoPE's cell extensions) does not parse exactly to its end and
+is saved whole. A segment is itself such a state of its cells: restoring keeps each source's cells below every
+later segment's cut, laid end to end, and llama.cpp places them by their positions.
+
+A segment on disk: b"LCKD" | u32 version | u32 header length | u32 header CRC-32 | header JSON | payload; the
+header names the base it follows (its payload digest), the cut, the tokens from the cut on and the payload's
+size and CRC-32, all checked before llama.cpp sees a byte. A torn or damaged segment ends the chain: the
+restore is the last whole save before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from localchat.fsutil import PRIVATE_FILE
+
+MAGIC = b"LCKD"
+VERSION = 1
+_PREFIX = struct.Struct("<4sIII")
+MAX_SEGMENT_HEADER = 16 << 20
+SEQ_STATE_MAGIC = 0xAF143CD8  # llama-context.cpp's `io_magic`: what a sequence state starts with
+_U32, _K_HEAD, _V_TRANS_HEAD = struct.Struct("<I"), struct.Struct("<iQ"), struct.Struct("<iII")
+_META = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
+
+
+class Uncuttable(Exception):
+    """A state layout this does not cut (the save is whole)."""
+
+
+@dataclass
+class Cells:
+    """One stream's cells of llama.cpp's sequence state: positions, and per layer the K rows and the V rows
+    (cells x row bytes) or, transposed, V's channels (channels x cells x element bytes)."""
+
+    lead: bytes  # llama.cpp's magic of sequence states and the sequence's id
+    pos: np.ndarray
+    v_trans: int
+    k: list[tuple[int, int, np.ndarray]]  # (ggml type, row bytes, rows)
+    v: list[tuple[int, int, int, np.ndarray]]  # (ggml type, row or element bytes, channels (transposed) or 0, data)
+
+    def select(self, keep: np.ndarray) -> Cells:
+        """The cells where `keep` is true (views where it keeps them all)."""
+        if bool(keep.all()):
+            return self
+        return Cells(self.lead, self.pos[keep], self.v_trans, [(t, r, a[keep]) for t, r, a in self.k],
+                     [(t, r, n, a[:, keep] if n else a[keep]) for t, r, n, a in self.v])
+
+
+def parse(payload: memoryview | bytes) -> Cells:
+    """The cells of a sequence state (Uncuttable where the layout is not the one this reads, to its last byte)."""
+    buf = memoryview(payload).cast("B")
+    try:
+        return _parse(buf)
+    except (struct.error, ValueError) as exc:
+        raise Uncuttable(f"the state does not parse as one stream of cells ({exc})") from exc
+
+
+def _parse(buf: memoryview) -> Cells:
+    magic, _, n_stream, cells = struct.unpack_from("<IiII", buf, 0)
+    if magic != SEQ_STATE_MAGIC or n_stream != 1 or cells == 0:
+        raise Uncuttable(f"magic {magic:#x}, {n_stream} streams, {cells} cells")
+    meta = np.frombuffer(buf, _META, cells, 16)
+    if not (meta["n_seq"] == 1).all():
+        raise Uncuttable("a cell of several sequences, or cell extensions")
+    at = 16 + cells * _META.itemsize
+    v_trans, n_layer = struct.unpack_from("<II", buf, at)
+    at += 8
+    if v_trans > 1 or not 0 < n_layer < 4096:
+        raise Uncuttable(f"v_trans {v_trans}, {n_layer} layers")
+    k: list[tuple[int, int, np.ndarray]] = []
+    for _ in range(n_layer):
+        kind, row = _K_HEAD.unpack_from(buf, at)
+        rows = np.frombuffer(buf, np.uint8, cells * row, at + _K_HEAD.size).reshape(cells, row)
+        k.append((kind, row, rows))
+        at += _K_HEAD.size + cells * row
+    v: list[tuple[int, int, int, np.ndarray]] = []
+    for _ in range(n_layer):
+        if v_trans:
+            kind, el, channels = _V_TRANS_HEAD.unpack_from(buf, at)
+            data = np.frombuffer(buf, np.uint8, channels * cells * el, at + _V_TRANS_HEAD.size)
+            v.append((kind, el, channels, data.reshape(channels, cells, el)))
+            at += _V_TRANS_HEAD.size + channels * cells * el
+        else:
+            kind, row = _K_HEAD.unpack_from(buf, at)
+            v.append((kind, row, 0, np.frombuffer(buf, np.uint8, cells * row, at + _K_HEAD.size).reshape(cells, row)))
+            at += _K_HEAD.size + cells * row
+    if at != len(buf):
+        raise Uncuttable(f"{len(buf) - at} bytes after the last layer")
+    return Cells(bytes(buf[:8]), np.array(meta["pos"]), v_trans, k, v)
+
+
+def merged(sources: list[Cells], cuts: list[int]) -> list[memoryview | bytes]:
+    """The state of the base and its segments (`cuts[i]`: segment i's cut; sources[0] is the base): each source's
+    cells below every later cut, end to end, as pieces of llama.cpp's layout (ValueError where they differ)."""
+    kept = []
+    for i, src in enumerate(sources):
+        limit = min(cuts[i:], default=None)  # cuts[i] is the cut of sources[i + 1]
+        kept.append(src if limit is None else src.select(src.pos < limit))
+    kept = [c for c in kept if len(c.pos)]
+    first = kept[0]
+    if any(c.lead != first.lead or c.v_trans != first.v_trans or [x[:2] for x in c.k] != [x[:2] for x in first.k]
+           or [x[:3] for x in c.v] != [x[:3] for x in first.v] for c in kept):
+        raise ValueError("the segments' layers differ from the base's")
+    cells = sum(len(c.pos) for c in kept)
+    meta = np.zeros(cells, _META)
+    meta["pos"], meta["n_seq"] = np.concatenate([c.pos for c in kept]), 1
+    pieces: list[memoryview | bytes] = [first.lead, struct.pack("<II", 1, cells), meta.tobytes(),
+                                        struct.pack("<II", first.v_trans, len(first.k))]
+    for layer, (kind, row, _) in enumerate(first.k):
+        pieces.append(_K_HEAD.pack(kind, row))
+        pieces += [c.k[layer][2].data.cast("B") for c in kept]
+    for layer, (kind, size, channels, _) in enumerate(first.v):
+        if channels:
+            pieces.append(_V_TRANS_HEAD.pack(kind, size, channels))
+            pieces.append(np.concatenate([c.v[layer][3] for c in kept], axis=1).tobytes())
+        else:
+            pieces.append(_K_HEAD.pack(kind, size))
+            pieces += [c.v[layer][3].data.cast("B") for c in kept]
+    return pieces
+
+
+def added(payload: memoryview, cut: int, n_tokens: int) -> bytes:
+    """The state of the cells at positions from `cut` on, cut from a whole one of `n_tokens` tokens (Uncuttable
+    where it cannot be: its cells are not the positions 0 to n_tokens - 1, one each)."""
+    cells = parse(payload)
+    if len(cells.pos) != n_tokens or not np.array_equal(np.sort(cells.pos), np.arange(n_tokens)):
+        raise Uncuttable("the cells' positions are not the tokens' (images, or a shifted window)")
+    return b"".join(bytes(p) for p in merged([cells.select(cells.pos >= cut)], []))
+
+
+# ---------------------------------------------------------------- segments on disk
+@dataclass(frozen=True)
+class Segment:
+    cut: int  # the KV's tokens from here on are replaced by `tokens`
+    tokens: list[int]
+    payload: memoryview  # checked: a sequence state of the cells it adds
+
+    @property
+    def size(self) -> int:
+        return len(self.payload)
+
+
+def encode(base: str, cut: int, tokens: list[int], payload: bytes) -> bytes:
+    body = json.dumps({"base": base, "cut": cut, "tokens": tokens, "payload_size": len(payload),
+                       "payload_crc": zlib.crc32(payload)}, separators=(",", ":")).encode()
+    return _PREFIX.pack(MAGIC, VERSION, len(body), zlib.crc32(body)) + body + payload
+
+
+def append(path: Path, segment: bytes, valid_end: int) -> None:
+    """Append a segment after the file's valid part (a torn tail cut off first), durably."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, PRIVATE_FILE)
+    try:
+        os.ftruncate(fd, valid_end)
+        os.pwrite(fd, segment, valid_end)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read(path: Path, base: str) -> tuple[list[Segment], int, str]:
+    """The segments that follow the base (by its payload digest), each checked (header and payload); the end of the
+    valid ones in the file; why the chain stops before the file's end ("" where it does not)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return [], 0, ""
+    except OSError as exc:
+        return [], 0, f"the KV deltas cannot be read ({exc.strerror})"
+    out: list[Segment] = []
+    at, view = 0, memoryview(data)
+    for header, payload_at, why in _walk(data):
+        if why:
+            return out, at, why
+        if header.get("base") != base:  # left from before the base was written again: nothing follows it
+            return out, at, "" if not out else "a KV delta of another base"
+        size = int(header["payload_size"])
+        out.append(Segment(int(header["cut"]), [int(t) for t in header["tokens"]], view[payload_at:payload_at + size]))
+        at = payload_at + size
+    return out, at, ""
+
+
+def _walk(data: bytes) -> Iterator[tuple[dict[str, Any], int, str]]:
+    at = 0
+    while at < len(data):
+        if len(data) - at < _PREFIX.size:
+            yield {}, 0, "the last KV delta is torn"
+            return
+        magic, version, hlen, crc = _PREFIX.unpack_from(data, at)
+        body = data[at + _PREFIX.size:at + _PREFIX.size + hlen]
+        if magic != MAGIC or version != VERSION or hlen > MAX_SEGMENT_HEADER or len(body) != hlen \
+                or zlib.crc32(body) != crc:
+            yield {}, 0, "a KV delta's header is torn or damaged"
+            return
+        try:
+            header = json.loads(body)
+            payload_at, size = at + _PREFIX.size + hlen, int(header["payload_size"])
+            if not isinstance(header["tokens"], list) or int(header["cut"]) < 0:
+                raise ValueError("tokens, cut")
+        except (ValueError, KeyError, TypeError):
+            yield {}, 0, "a KV delta's header is damaged"
+            return
+        if payload_at + size > len(data) or zlib.crc32(data[payload_at:payload_at + size]) != header["payload_crc"]:
+            yield {}, 0, "the last KV delta is torn or damaged"
+            return
+        yield header, payload_at, ""
+        at = payload_at + size
+
+
+def tokens_after(base_tokens: list[int], segments: list[Segment]) -> list[int]:
+    tokens = list(base_tokens)
+    for s in segments:
+        tokens = tokens[:s.cut] + s.tokens
+    return tokens

@@ -1,0 +1,146 @@
+"""KV deltas on the real demo model: llama.cpp's sequence state cut into cells and laid out again byte for byte
+(V rows with flash attention, V transposed without); a base and the cells added after it restore the same KV as
+the live one (the same next-token logits); layouts that cannot be cut (a sliding window) are refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from localchat.session import kvdelta
+from tests.conftest import make_engine
+from tests.test_images import last_logits
+
+STORY = "The lighthouse keeper counted the ships every night and wrote their names in a blue book. "
+
+
+def joined(pieces) -> bytes:
+    return b"".join(bytes(p) for p in pieces)
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_a_state_is_cut_into_cells_and_laid_out_again_byte_for_byte(demo_path, flash_attn):
+    e = make_engine(demo_path, n_ctx=512, flash_attn=flash_attn)
+    try:
+        e.prefill(e.tokenize(STORY * 2, False, False))
+        state = bytes(e.state_bytes())
+        cells = kvdelta.parse(state)
+        assert cells.v_trans == (0 if flash_attn else 1) and list(cells.pos) == list(range(e.n_kv))
+        assert joined(kvdelta.merged([cells], [])) == state
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_a_base_and_its_deltas_restore_the_live_kv(demo_path, flash_attn):
+    e = make_engine(demo_path, n_ctx=512, flash_attn=flash_attn)
+    try:
+        first = e.tokenize(STORY * 3, False, False)
+        rewound = first[:-5]  # an /undo: the last tokens replaced
+        second = rewound + e.tokenize(" Then a storm came over the hill.", False, False)
+        e.prefill(first)
+        base = bytes(e.state_bytes())
+        e.truncate(len(rewound))
+        e.prefill(second)
+        live = bytes(e.state_bytes())
+        delta = kvdelta.added(memoryview(live), len(rewound), len(second))
+        added = len(second) - len(rewound)  # the cells from the cut on, not the state again
+        assert len(delta) <= len(live) * added / len(second) + 1024, (len(delta), len(live), added)
+        restored = joined(kvdelta.merged([kvdelta.parse(base), kvdelta.parse(delta)], [len(rewound)]))
+        probe = second + e.tokenize(" The", False, False)
+        e.prefill(probe)
+        expected = last_logits(e)
+        e.clear()
+        assert e.load_state(restored, second)
+        e.prefill(probe)  # the probe token only: the rest is the restored KV
+        assert np.allclose(last_logits(e), expected, atol=1e-4)
+    finally:
+        e.close()
+
+
+def test_a_sliding_window_state_is_not_cut(gemma_path):
+    e = make_engine(gemma_path, n_ctx=512)
+    try:
+        e.prefill(e.tokenize(STORY, False, False))
+        with pytest.raises(kvdelta.Uncuttable):
+            kvdelta.added(memoryview(bytes(e.state_bytes())), 3, e.n_kv)
+    finally:
+        e.close()
+
+
+def test_every_save_after_the_first_is_a_delta_and_every_one_resumes_to_the_live_kv(home, demo_path, monkeypatch):
+    """A chat in-process, saved after each turn (one turn edited, as /undo and a new message do): the saves after
+    the first write only what the turns added; after every save, the KV restored from the base and its segments
+    gives the next token the same logits as the live KV."""
+    from localchat import runtime
+    from localchat.host.host import Host
+    from localchat.session.lifecycle import Session, SessionChoice
+
+    profile = runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 12, "n_ctx": 2048,
+                                           "model": str(demo_path)})
+    rt = runtime.open_runtime(profile, lambda text: None)
+    host = Host(Session.open(rt, SessionChoice(name="d"), lambda text: None))
+    ctl, engine = host.session, rt.engine
+    monkeypatch.setattr(ctl.kv, "speeds", lambda: {"load_bps": 1e12})  # restore, whatever re-prefill would cost
+    probe = engine.tokenize(" The", False, False)
+    history: list[dict] = []
+    wholes = 0  # what saving the whole state every turn would have written
+    try:
+        for i, words in enumerate(["Name a colour.", "Name a fruit.", "Name a bird.", "Name a river.",
+                                   "Name a tree.", "Name a city."]):
+            if i == 3:
+                history = history[:-2]  # the third exchange edited: the KV rewound to before it
+            host.answer([*history, {"role": "user", "content": words}])
+            history = [{"role": m.role, "content": m.content} for m in ctl.chat.conv.messages
+                       if m.role in ("user", "assistant")]
+            ctl.save()
+            ctl.writer.wait()
+            wholes += len(bytes(engine.state_bytes()))
+            window = ctl.chat.conv.window_tokens()
+            engine.prefill(window + probe)
+            live = last_logits(engine)
+            engine.clear()
+            assert ctl.kv.restore(ctl.store.state, window).restored
+            engine.prefill(window + probe)
+            assert np.allclose(last_logits(engine), live, atol=1e-4), f"turn {i + 1}"
+            engine.truncate(len(window))
+            ctl.note_restored()
+            ctl.chat.ahead.drop_warm()
+        saved = ctl.kv.saved(ctl.store.state)
+        assert saved.segments and not saved.torn
+        whole = len(bytes(engine.state_bytes()))
+        written = json.loads((home / "sessions" / "d" / "meta.json").read_text())["kv_written"]["total"]
+        assert written <= 3 * whole and written < wholes / 2, (written, whole, wholes)
+    finally:
+        host.close()
+        rt.close()
+
+
+def test_a_torn_or_damaged_delta_restores_the_save_before_it_and_the_next_save_goes_on_from_there(home, tmp_path):
+    """What kill -9 or a full disk can leave in the middle of appending a delta: any cut of the deltas file (and a
+    flipped byte) gives back the last whole save before it, said in one line; nothing of the transcript is lost,
+    and the next save cuts the torn tail off before it appends."""
+    from tests.conftest import run_cli
+
+    env = {"LOCALCHAT_HOME": str(home)}
+    args = ["--model", "demo", "--temperature", "0", "--max-tokens", "8", "--session", "t", "--system",
+            "You answer in one short sentence, the way a lighthouse keeper would. " * 6]  # a base larger than turns
+    r = run_cli(args, stdin="Name a colour.\nName a fruit.\nName a bird.\n", env=env)
+    assert r.returncode == 0, r.stderr
+    deltas = home / "sessions" / "t" / "kv.delta"
+    intact = deltas.read_bytes()
+    flipped = bytearray(intact)
+    flipped[len(intact) // 2] ^= 0x40
+    for n, damaged in enumerate([intact[:len(intact) - 1], intact[:len(intact) // 2], intact[:7], bytes(flipped)]):
+        deltas.write_bytes(damaged)
+        stats = tmp_path / f"after-{n}.jsonl"
+        r = run_cli([*args, "--stats-json", str(stats)], stdin="Name a tree.\n", env=env)
+        assert r.returncode == 0, r.stderr
+        assert "KV restored from disk" in r.stderr and "the save before it was restored" in r.stderr, r.stderr
+        (st,) = [json.loads(x) for x in stats.read_text().splitlines()]
+        assert st["turn"] == 4 and st["recomputed_tokens"] <= st["new_tokens"] + 1  # the rest rebuilt at resume
+        r = run_cli(args, stdin="/undo\n", env=env)  # resumed again: the chain holds, nothing torn now; turn 4 undone
+        assert "KV restored from disk" in r.stderr and "torn" not in r.stderr and "damaged" not in r.stderr, r.stderr
+        intact = deltas.read_bytes() if deltas.exists() else intact
