@@ -3,11 +3,12 @@ each holding only the cells a save added since the one before (the turn's tokens
 shift changed the KV). A save then writes what the turn added, not the whole state again.
 
 The cut is made in llama.cpp's own sequence state (llama-context.cpp `state_seq_get_data`: its magic and the
-sequence, then llama-kv-cache.cpp `state_write`): one stream, its cells' metadata (position, one sequence), then per layer the K rows of every cell, and the V rows (or, with V
-transposed when flash attention is off, per layer and channel, one element per cell). Any other layout (several
-streams, sliding-window or recurrent memories, M-RoPE's cell extensions) does not parse exactly to its end and
-is saved whole. A segment is itself such a state of its cells: restoring keeps each source's cells below every
-later segment's cut, laid end to end, and llama.cpp places them by their positions.
+sequence, then llama-kv-cache.cpp `state_write`): one stream, its cells' metadata (position, one sequence), then
+per layer the K rows of every cell, and the V rows (or, with V transposed when flash attention is off, per layer
+and channel, one element per cell). Any other layout (several streams, sliding-window or recurrent memories,
+M-RoPE's cell extensions) does not parse exactly to its end and is saved whole. A segment is itself such a state
+of its cells: restoring keeps each source's cells below every later segment's cut, laid end to end, and llama.cpp
+places them by their positions.
 
 A segment on disk: b"LCKD" | u32 version | u32 header length | u32 header CRC-32 | header JSON | payload; the
 header names the base it follows (its payload digest), the cut, the tokens from the cut on and the payload's
@@ -133,6 +134,16 @@ def merged(sources: list[Cells], cuts: list[int]) -> list[memoryview | bytes]:
             pieces.append(_K_HEAD.pack(kind, size))
             pieces += [c.v[layer][3].data.cast("B") for c in kept]
     return pieces
+
+
+def laid_out(pieces: list[memoryview | bytes], into: memoryview) -> memoryview:
+    """The pieces copied end to end into `into` (the state's size); one copy, the cost a restore of deltas adds to
+    a whole state's (threads were slower here: the copy is bound by memory, not by a core)."""
+    at = 0
+    for piece in pieces:
+        into[at:at + len(piece)] = piece
+        at += len(piece)
+    return into
 
 
 def added(payload: memoryview, cut: int, n_tokens: int) -> bytes:

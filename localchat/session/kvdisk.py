@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from localchat import paths
 from localchat.engine import Engine, llama_version
+from localchat.engine.pinned import read_into
 from localchat.fsutil import atomic_write
 from localchat.session import kvdelta, statefile, writes
 from localchat.session.fingerprint import ModelHasher
@@ -164,7 +168,7 @@ class KVDisk:
             saved = self.saved(path)
             check_state(replace(saved.header, tokens=saved.tokens), window, self.hasher.value, self.settings)
             est_load = saved.size / speeds["load_bps"] if speeds.get("load_bps") else \
-                _estimate_load(path, saved.offset, saved.header) * saved.size / max(saved.header.payload_size, 1)
+                self._estimate_load(saved, speeds.get("copy_bps", self.copy_bps))
             prefill_tps = speeds.get("prefill_tps")
             est_prefill = len(window) / prefill_tps if prefill_tps else float("inf")
             if est_prefill < est_load:
@@ -178,7 +182,7 @@ class KVDisk:
             self.chain = Chain(path, saved.header, saved.tokens, len(saved.segments), saved.deltas_end)
             note = f"KV restored from disk in {took:.3f} s ({len(saved.tokens)} tokens" + \
                 (f", {len(saved.segments)} saves after its base" if saved.segments else "") + \
-                (f"; re-prefill est. {est_prefill:.2f} s)" if prefill_tps else ")")
+                f"; est. {est_load:.3f} s" + (f", re-prefill est. {est_prefill:.2f} s)" if prefill_tps else ")")
             return Restored(True, note + (f"; {saved.torn}: the save before it was restored" if saved.torn else ""))
         except _PrefillFaster as why:
             return Restored(False, f"chose re-prefill: {why}")
@@ -204,16 +208,35 @@ class KVDisk:
             raise StateRejected(f"the KV deltas do not fit their base ({why})") from None
         size = sum(len(p) for p in pieces)
         into = self.engine.staged(size)
-        buffer = memoryview(bytearray(size)) if into is None else into
+        buffer = kvdelta.laid_out(pieces, np.empty(size, np.uint8).data if into is None else into)
         try:
-            at = 0
-            for piece in pieces:
-                buffer[at:at + len(piece)] = piece
-                at += len(piece)
             return self.engine.load_state(buffer, saved.tokens)
         finally:
             if into is not None:
                 self.engine.state_done(into)
+
+    def _estimate_load(self, saved: Saved, copy_bps: float) -> float:
+        """Seconds to read, check and hand over a saved state, before any restore was measured: a sample read and
+        checked by the path its payload takes (threads into the engine's pinned buffer where it has one free, else
+        mapped and hashed in chunks on every core), the segments laid out once more, and the hand-over to
+        llama.cpp at the measured speed of copies out of it."""
+        header, sample = saved.header, min(saved.header.payload_size, SAMPLE_BYTES)
+        into = self.engine.staged(sample)
+        t0 = time.perf_counter()
+        try:
+            with saved.path.open("rb") as f:
+                if into is not None:
+                    read_into(into, f.fileno(), saved.offset, max(sample // 8, 1), 8, statefile.payload_hasher(header))
+                else:
+                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                        statefile.chunked_digest(memoryview(mapped)[saved.offset:saved.offset + sample],
+                                                 max(sample // 8, 1), header.digest)
+        finally:
+            if into is not None:
+                self.engine.state_done(into)
+        read_bps = sample / max(time.perf_counter() - t0, 1e-6)
+        laid = saved.size if saved.segments else 0
+        return header.payload_size / read_bps + (laid + saved.size) / max(copy_bps, 1.0)
 
     def load(self, path: Path, header: StateHeader, offset: int, tokens: list[int]) -> bool:
         """A checked state file's payload into llama.cpp (through the engine's pinned buffer where it has
@@ -262,7 +285,7 @@ class KVDisk:
         payload = engine.state_bytes()
         tokens = engine.tokens[:engine.n_kv]
         took = time.perf_counter() - t0
-        self.copy_bps = len(payload) / max(took, 1e-6)
+        self.copy_bps = self.measured["copy_bps"] = len(payload) / max(took, 1e-6)
         return payload, tokens, took
 
     def write(self, path: Path, payload: memoryview, tokens: list[int]) -> StateHeader:
@@ -332,8 +355,9 @@ class KVDisk:
                 "state": {"size": header.payload_size, "digest": f"{header.digest}:{header.payload_digest}"}}
 
     def keep_measured_speeds(self) -> None:
-        if self.measured.get("prefill_tps"):
-            self.save_speed("prefill_tps", self.measured["prefill_tps"])
+        for key in ("prefill_tps", "copy_bps"):
+            if self.measured.get(key):
+                self.save_speed(key, self.measured[key])
 
     def prune(self, keep: Path) -> None:
         prune_kv(self.about.max_disk_bytes, keep)
@@ -351,17 +375,6 @@ def _tally(before: Any, nbytes: int) -> dict[str, Any]:
     return {"day": writes.today(), "today": today + nbytes, "total": total + nbytes}
 
 
-def _estimate_load(path: Path, offset: int, header: StateHeader) -> float:
-    """Seconds to read, check and hand over a state, from reading and hashing a sample of it with its own
-    digest (the copy into llama.cpp costs about as much again)."""
-    size = header.payload_size
-    t0 = time.perf_counter()
-    with path.open("rb") as f:
-        f.seek(offset)
-        sample = f.read(min(size, SAMPLE_BYTES))
-    statefile.payload_hasher(header)().update(sample)
-    took = time.perf_counter() - t0
-    return 2 * size / max(len(sample) / max(took, 1e-6), 1.0)
 
 
 def prune_kv(budget: int, keep: Path) -> None:

@@ -1,0 +1,100 @@
+"""KV deltas, measured: a scripted chat in line mode (the real CLI, autosave on) growing to near its context; the
+bytes its saves wrote (meta.json's kv_written) against the final state's size and against whole saves every turn
+(each turn's state, as the autosave before deltas wrote it); then the final KV restored from its base and segments
+against the same KV restored from one whole state (medians of --repeat, alternated, in one process).
+
+    python scripts/kv_writes.py [--model demo] [--ctx 8192] [--turns 40] [--repeat 5] [--out FILE]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FILLER = ("The harbour log for this watch records the wind, the tide, the ships that passed the point, their "
+          "flags and cargo, the state of the lamp and the lens, and anything the keeper noticed on the water. ")
+
+
+def chat(home: Path, args: argparse.Namespace) -> list[dict]:
+    stats = home / "stats.jsonl"
+    per_turn = max(1, (args.ctx - 1500) // args.turns // 44)  # about 44 tokens a filler sentence
+    lines = "".join(f"Entry {i}: {FILLER * per_turn}Summarise entry {i} in one line.\n" for i in range(args.turns))
+    r = subprocess.run([sys.executable, "-m", "localchat", "--model", args.model, "--ctx", str(args.ctx),
+                        "--temperature", "0", "--max-tokens", "24", "--overflow", "stop", "--session", "w",
+                        "--stats-json", str(stats)], input=lines, text=True, capture_output=True,
+                       env={**os.environ, "LOCALCHAT_HOME": str(home)})
+    if r.returncode != 0:
+        sys.exit(r.stderr[-2000:])
+    return [json.loads(x) for x in stats.read_text().splitlines()]
+
+
+def restores(home: Path, args: argparse.Namespace) -> dict:
+    """The session's KV restored from a base of half of it and four segments, and from one whole state."""
+    from localchat import runtime
+    from localchat.session.lifecycle import Session
+    from localchat.session.sessiondir import SessionDir
+
+    os.environ["LOCALCHAT_HOME"] = str(home)
+    rt = runtime.open_runtime(runtime.load_profile("cpu", {"model": args.model, "n_ctx": args.ctx}), lambda t: None)
+    ctl = Session(rt, SessionDir("w"), lambda t: None, autosave=False)
+    ctl.resume()
+    kv, engine = ctl.kv, rt.engine
+    tokens = engine.tokens[:engine.n_kv]
+    whole_path, chained_path = home / "whole.state", home / "chained.state"
+    kv.write(whole_path, engine.state_bytes(), tokens)
+    whole = kv.saved(whole_path)
+    kv.chain = None  # a chain as a long chat leaves it: a base of half the KV, four saves after it
+    for part in (4, 5, 6, 7, 8):
+        n = len(tokens) * part // 8
+        engine.prefill(tokens[:n]) if part > 4 else engine.truncate(n)
+        kv.write_session(chained_path, engine.state_bytes(), tokens[:n])
+    chained = kv.saved(chained_path)
+    times: dict[str, list[float]] = {"deltas": [], "whole": []}
+    for _ in range(args.repeat):
+        for name, saved in (("deltas", chained), ("whole", whole)):
+            engine.clear()
+            t0 = time.perf_counter()
+            assert kv.load_saved(saved)
+            times[name].append(time.perf_counter() - t0)
+    ctl.close()
+    rt.close()
+    return {"segments": len(chained.segments), "base_bytes": chained.header.payload_size,
+            "segments_bytes": chained.size - chained.header.payload_size, "whole_bytes": whole.size,
+            "restore_deltas_s": times["deltas"], "restore_whole_s": times["whole"],
+            "restore_deltas_median_s": statistics.median(times["deltas"]),
+            "restore_whole_median_s": statistics.median(times["whole"])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--turns", type=int, default=40)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="kv-writes-"))
+    rows = chat(home, args)
+    meta = json.loads((home / "sessions" / "w" / "meta.json").read_text())
+    result = restores(home, args)
+    per_token = result["whole_bytes"] / max(rows[-1]["ctx_used"], 1)
+    whole_every_turn = sum(round(r["ctx_used"] * per_token) for r in rows)
+    out = {"model": args.model, "ctx": args.ctx, "turns": len(rows), "final_tokens": rows[-1]["ctx_used"],
+           "written_bytes": meta["kv_written"]["total"], "final_state_bytes": result["whole_bytes"],
+           "written_over_final": round(meta["kv_written"]["total"] / result["whole_bytes"], 2),
+           "whole_saves_every_turn_bytes": whole_every_turn,
+           "written_over_whole_saves": round(meta["kv_written"]["total"] / whole_every_turn, 3), **result}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
