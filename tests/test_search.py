@@ -221,3 +221,14 @@ def test_a_damaged_embedding_model_is_one_line_and_exit_2(home, demo_path, tmp_p
                  ["search", "cabin", "--embedding-model", str(bad)]):
         r = run_cli(args, stdin="hi\n", env={"LOCALCHAT_HOME": str(home)})
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "embed.gguf" in r.stderr, r.stderr
+
+
+def test_a_fork_repeats_its_origins_turns_and_a_search_by_meaning_finds_them_once(home, demo_path):
+    r = _chat(home, demo_path, "lodge", "The lodge wifi password is K7Q2.\n/fork lodge-b\nWhich pumpkins grow fastest?\n",
+              "--embedding-model", "minilm")
+    assert r.returncode == 0, r.stderr
+    env = {"LOCALCHAT_HOME": str(home)}
+    hits = json.loads(run_cli(["search", "how", "do", "I", "get", "online", "at", "the", "log", "hut", "--json",
+                               "--embedding-model", "minilm"], env=env).stdout)
+    first = [(h["session"], h["kind"]) for h in hits if h["turn"] == 1]
+    assert ("lodge", "question") in first and ("lodge-b", "question") not in first, hits

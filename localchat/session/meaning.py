@@ -97,17 +97,25 @@ class Meaning:
 
     def search(self, query: str, limit: int = 10, session: str | None = None, since: str | None = None,
                until: str | None = None, kinds: tuple[str, ...] = EMBEDDED) -> list[Hit]:
-        """The best matches by words and by meaning together, best first."""
+        """The best matches by words and by meaning together, best first; a fork's copy of its origin's turns is one
+        match (the first indexed), as in a search by words."""
         words = self.index.search(query, DEPTH, session, since, until, kinds)
         near = self.nearest(query, DEPTH, session, since, until, tuple(k for k in kinds if k in EMBEDDED))
         score: dict[int, float] = {}
         for ranking in ([h.id for h in words], near):
             for rank, rowid in enumerate(ranking):
                 score[rowid] = score.get(rowid, 0.0) + 1.0 / (RRF_K + rank + 1)
-        best = sorted(score, key=lambda i: -score[i])[:limit]
+        ranked = sorted(score, key=lambda i: (-score[i], i))
         by_id = {h.id: h for h in words}
-        by_id |= self._hits([i for i in best if i not in by_id])
-        return [dataclasses.replace(by_id[i], score=score[i]) for i in best if i in by_id]
+        by_id |= self._hits([i for i in ranked if i not in by_id])
+        seen: set[tuple[int, str, str, str]] = set()
+        best = []
+        for i in (i for i in ranked if i in by_id):
+            h = by_id[i]
+            if (h.turn, h.kind, h.at, h.text) not in seen:
+                seen.add((h.turn, h.kind, h.at, h.text))
+                best.append(dataclasses.replace(h, score=score[i]))
+        return best[:limit]
 
     def _hits(self, ids: list[int]) -> dict[int, Hit]:
         """Rows found by meaning alone: their opening words stand for the snippet."""
