@@ -11,6 +11,7 @@ from localchat import runtime
 from localchat.errors import ProfileError
 from localchat.host import opening
 from localchat.host.host import Host
+from localchat.session import remake
 from localchat.session.lifecycle import SessionChoice
 from localchat.settings import Profile
 from localchat.tools.mcp import Hub
@@ -71,6 +72,7 @@ def _chat(args: argparse.Namespace, profile: Profile, hub: Hub | None) -> int:
             host.session.rt.close()
             if host.session.rt is not first:  # /model loaded another (the first one is closed already)
                 first.close()
+            remake.start_in_background(args.profile or profile.name)  # states an upgrade left, made again
 
 
 def _run_ui(host: Host, args: argparse.Namespace, message: str, interactive: bool,

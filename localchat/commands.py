@@ -247,10 +247,13 @@ def _fenced(text: str) -> str:
 
 def sessions_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="localchat sessions", description="saved sessions")
-    p.add_argument("action", nargs="?", default="list", choices=("list", "show", "verify", "rm", "export"))
+    p.add_argument("action", nargs="?", default="list", choices=("list", "show", "verify", "rm", "export", "remake"))
     p.add_argument("name", nargs="?")
     p.add_argument("--json", action="store_true")
     p.add_argument("--format", choices=("md", "json"), default="md", help="export format")
+    p.add_argument("--limit", type=int, default=3, help="remake: the most recent states another "
+                   "llama-cpp-python wrote, checked and made again where refused")
+    profile_args(p)
     return p
 
 
@@ -267,6 +270,13 @@ def cmd_sessions(argv: Sequence[str]) -> int:
             fork = f"  (fork of {r['origin']['session']} at turn {r['origin']['turn']})" if depth else ""
             _out(f"{name:<28} {r['turns']:>4} turns {r['tokens']:>7} tok  KV {r['state_size'] / 1e6:>8.1f} MB  "
                  f"{when}  {r['model'] or '-'}{fork}")
+        return 0
+    if args.action == "remake":
+        from localchat.session import remake
+        quiet: Callable[[str], None] = lambda text: None  # noqa: E731
+        done = remake.remake(args.profile or "cpu", overrides(args), args.limit, quiet if args.json else _out)
+        if args.json:
+            print_json([vars(r) for r in done])
         return 0
     if not args.name:
         raise SessionError(f"'sessions {args.action}' needs a session name")

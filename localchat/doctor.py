@@ -24,7 +24,7 @@ from localchat.errors import LocalchatError, ProfileError
 from localchat.machine import plan as planmod
 from localchat.machine import profiles
 from localchat.machine.models import ModelInfo
-from localchat.session import writes
+from localchat.session import remake, writes
 from localchat.session.sessiondir import list_sessions
 from localchat.settings import Profile, rule
 
@@ -310,12 +310,16 @@ def check_directories(profile: Profile) -> Check:
     detail.append("KV states written per day (the SSD's wear; max_kv_writes_gb_per_day: "
                   f"{profile.max_kv_writes_gb_per_day:g} GB): "
                   + (", ".join(f"{day} {_size(n)}" for day, n in sorted(days.items())[-7:]) or "none yet"))
+    pending = len(remake.pending())
+    detail.append(f"saved KV states another llama-cpp-python wrote, still to check or make again: {pending}"
+                  + (" (done in the background after a chat, or now: localchat sessions remake)" if pending else ""))
     sessions = len(list_sessions())
     verdict = (f"{sessions} session{'' if sessions == 1 else 's'} ({_size(used['sessions'])}), prefix store "
                f"{_size(used['prefix store'])}, models {_size(used['models'])}; {_gib(free)} free on the disk; "
                f"KV written today {_size(days.get(writes.today(), 0))}")
     data = {"directories": rows, "disk_free": free, "max_kv_disk_gb": profile.max_kv_disk_gb,
-            "kv_written_by_day": days, "max_kv_writes_gb_per_day": profile.max_kv_writes_gb_per_day}
+            "kv_written_by_day": days, "max_kv_writes_gb_per_day": profile.max_kv_writes_gb_per_day,
+            "states_to_remake": pending}
     if unwritable:
         return Check("state", False, f"cannot write {', '.join(unwritable)}; " + verdict, detail,
                      "LOCALCHAT_HOME=DIR moves sessions, config and profiles to a directory you can write; "

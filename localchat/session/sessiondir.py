@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +64,9 @@ class SessionDir:
             paths.private_dir(self.dir.parent)
             paths.private_dir(self.dir)
 
-    def lock(self) -> None:
-        """One process per session: a second one gets a clear error."""
+    def lock(self, purpose: str = "") -> None:
+        """One process per session: a second one gets a clear error, but for a background remake of its state
+        (`purpose` "remake"), which is stopped for the chat (its files are written atomically)."""
         self.create()
         try:
             fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
@@ -75,12 +78,16 @@ class SessionDir:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise SessionError(f"session '{self.name}' is open in another localchat (pid {holder}); "
-                               "close it first or use another --session name") from None
+            holder = os.pread(fd, 64, 0).decode(errors="replace").split()
+            if not purpose and holder[1:] == ["remake"] and _stopped(int(holder[0]), fd):
+                pass  # the background remake of this session's state gave way
+            else:
+                os.close(fd)
+                raise SessionError(f"session '{self.name}' is open in another localchat (pid "
+                                   f"{holder[0] if holder else '?'}); close it first or use another --session name") \
+                    from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        os.pwrite(fd, f"{os.getpid()} {purpose}".strip().encode(), 0)
         self._lock_fd = fd
 
     def unlock(self) -> None:
@@ -136,3 +143,19 @@ def list_sessions(root: Path | None = None) -> list[SessionDir]:
         return []
     stores = [SessionDir(p.name, root) for p in root.iterdir() if p.is_dir() and NAME_RE.match(p.name)]
     return sorted(stores, key=lambda s: s.read_meta().get("updated", 0), reverse=True)
+
+
+def _stopped(pid: int, fd: int, wait_s: float = 10.0) -> bool:
+    """A background remake asked to stop (SIGTERM) and its lock taken over; False where it would not let go."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            time.sleep(0.02)
+    return False
