@@ -213,11 +213,12 @@ def test_kill_9_during_autosave_never_loses_a_turn(home, tmp_path, trial):
                             stderr=subprocess.DEVNULL, text=True, env={**os.environ, "LOCALCHAT_HOME": str(home)})
     proc.stdin.write("".join(f"Question number {i}?\n" for i in range(6)))
     proc.stdin.close()  # at the end of input the last KV save runs too (deferred saves happen on exit)
-    # kill the moment a state write is under way (its temp file exists), after a random number of saves
+    # kill the moment a save is under way (a whole state's temp file, or the deltas grown), after 1 to 4 saves
     writing = lambda: any(p.name.startswith(".kv.state.tmp") for p in sdir.glob(".*"))  # noqa: E731
+    deltas = lambda: (sdir / "kv.delta").stat().st_size if (sdir / "kv.delta").exists() else 0  # noqa: E731
     for _ in range(rng.randint(1, 4)):
-        _wait_for(lambda: not writing() or proc.poll() is not None)
-        _wait_for(lambda: writing() or proc.poll() is not None)
+        before = deltas()
+        _wait_for(lambda: writing() or deltas() != before or proc.poll() is not None)
         if proc.poll() is not None:
             break
     time.sleep(rng.random() * 0.01)

@@ -18,6 +18,7 @@ restore is the last whole save before it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -178,7 +179,12 @@ def append(path: Path, segment: bytes, valid_end: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, PRIVATE_FILE)
     try:
         os.ftruncate(fd, valid_end)
-        os.pwrite(fd, segment, valid_end)
+        done = 0
+        while done < len(segment):  # a file-size limit or a full disk writes part, then fails
+            wrote = os.pwrite(fd, memoryview(segment)[done:], valid_end + done)
+            if wrote <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            done += wrote
         os.fsync(fd)
     finally:
         os.close(fd)
