@@ -465,9 +465,9 @@ def test_a_projector_differing_only_in_its_middle_gets_its_own_image_cache_entri
     second.write_bytes(bytes(data))
     photo = picture(tmp_path / "photo.png")
     encoded = []
-    for projector in (first, second, second):
+    for n, projector in enumerate((first, second, second)):  # sessions: the encodings are kept on disk
         r, st = chat(demo_path, tmp_path, projector.stem, "What is in the picture?\n", "--attach", str(photo),
-                     "--mmproj", str(projector), "--no-session")
+                     "--mmproj", str(projector), "--session", f"p{n}")
         assert r.returncode == 0, r.stderr
         encoded.append(st[0]["image_encoded"])
     assert encoded == [IMAGE_TOKENS, IMAGE_TOKENS, 0]  # the second has its own entries, and finds them again

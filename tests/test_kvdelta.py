@@ -122,25 +122,34 @@ def test_a_torn_or_damaged_delta_restores_the_save_before_it_and_the_next_save_g
     """What kill -9 or a full disk can leave in the middle of appending a delta: any cut of the deltas file (and a
     flipped byte) gives back the last whole save before it, said in one line; nothing of the transcript is lost,
     and the next save cuts the torn tail off before it appends."""
+    import shutil
+
     from tests.conftest import run_cli
 
     env = {"LOCALCHAT_HOME": str(home)}
-    args = ["--model", "demo", "--temperature", "0", "--max-tokens", "8", "--session", "t", "--system",
-            "You answer in one short sentence, the way a lighthouse keeper would. " * 6]  # a base larger than turns
-    r = run_cli(args, stdin="Name a colour.\nName a fruit.\nName a bird.\n", env=env)
+    args = ["--model", "demo", "--temperature", "0", "--max-tokens", "8", "--session", "t", "--no-autosave",
+            "--system", "You answer in one short sentence, the way a lighthouse keeper would. " * 6]
+    r = run_cli(args, stdin="Name a colour.\n/save\nName a fruit.\n/save\nName a bird.\n/save\n", env=env)
     assert r.returncode == 0, r.stderr
-    deltas = home / "sessions" / "t" / "kv.delta"
-    intact = deltas.read_bytes()
+    folder = home / "sessions" / "t"
+    kept = tmp_path / "kept"
+    shutil.copytree(folder, kept)  # a base and two segments after it
+    intact = (kept / "kv.delta").read_bytes()
     flipped = bytearray(intact)
     flipped[len(intact) // 2] ^= 0x40
-    for n, damaged in enumerate([intact[:len(intact) - 1], intact[:len(intact) // 2], intact[:7], bytes(flipped)]):
-        deltas.write_bytes(damaged)
+    cuts = [len(intact) - 1, len(intact) // 2 + 100, 7]  # in the last segment, past the first one, in the header
+    for n, damaged in enumerate([*(intact[:c] for c in cuts), bytes(flipped)]):
+        shutil.rmtree(folder)
+        shutil.copytree(kept, folder)
+        (folder / "kv.delta").write_bytes(damaged)
         stats = tmp_path / f"after-{n}.jsonl"
-        r = run_cli([*args, "--stats-json", str(stats)], stdin="Name a tree.\n", env=env)
+        r = run_cli([*args, "--stats-json", str(stats)], stdin="Name a tree.\n/save\n", env=env)
         assert r.returncode == 0, r.stderr
         assert "KV restored from disk" in r.stderr and "the save before it was restored" in r.stderr, r.stderr
         (st,) = [json.loads(x) for x in stats.read_text().splitlines()]
         assert st["turn"] == 4 and st["recomputed_tokens"] <= st["new_tokens"] + 1  # the rest rebuilt at resume
-        r = run_cli(args, stdin="/undo\n", env=env)  # resumed again: the chain holds, nothing torn now; turn 4 undone
+        r = run_cli(args, stdin="", env=env)  # resumed again: the save cut the torn tail off, nothing is torn now
         assert "KV restored from disk" in r.stderr and "torn" not in r.stderr and "damaged" not in r.stderr, r.stderr
-        intact = deltas.read_bytes() if deltas.exists() else intact
+        said = [json.loads(x) for x in (folder / "transcript.jsonl").read_text().splitlines()]
+        assert [m["content"] for m in said if m.get("role") == "user"] == \
+            ["Name a colour.", "Name a fruit.", "Name a bird.", "Name a tree."]
