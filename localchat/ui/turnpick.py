@@ -4,10 +4,19 @@ while the line holds a turn's words unchanged; Down past the newest, or Ctrl-C, 
 
 from __future__ import annotations
 
-from prompt_toolkit.buffer import Buffer
+from typing import Protocol
 
 from localchat.errors import LocalchatError
 from localchat.host.host import Host
+
+
+class Buffer(Protocol):
+    """The input line (prompt_toolkit's Buffer, which only the terminal UI's modules import)."""
+
+    text: str
+    cursor_position: int
+
+    def reset(self) -> None: ...
 
 
 class TurnPicker:
