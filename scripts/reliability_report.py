@@ -19,7 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 CLASSES = {
-    "test_state_files": "State files: mutated state, metadata and transcript files through the real resume path",
+    "test_state_files": "State files: mutated state (every bit of a header flipped), metadata and transcript files "
+                        "through the real resume path",
     "test_kill9": "kill -9 of real processes during a turn, during autosave and during resume",
     "test_bad_input": "Bad input: hostile profiles, broken model files, huge/binary/control input, unwritable disk",
     "test_privacy": "Privacy: file modes under any umask, no pickle on a load path, no writes elsewhere",

@@ -103,7 +103,7 @@ def test_enum_values_are_the_choices_the_settings_define():
 
 
 def test_choices_of_commands_positionals():
-    assert complete("localchat", "sessions", "") == ["list", "show", "verify", "rm", "export"]
+    assert complete("localchat", "sessions", "") == ["list", "show", "verify", "rm", "export", "remake"]
     assert complete("localchat", "cache", "") == ["list", "rm", "clear"]
     assert complete("localchat", "completions", "") == ["bash", "zsh", "fish"]
     assert complete("localchat", "sessions", "export", "x", "--format", "") == ["md", "json"]

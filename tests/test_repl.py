@@ -224,7 +224,7 @@ def test_bracketed_paste_keeps_newlines_in_one_message(ui):
 
 
 # ---------------------------------------------------------------- read-ahead
-LEFT, END, BACKSPACE, UP, CTRL_U = "\x1b[D", "\x1b[F", "\x7f", "\x1b[A", "\x15"
+LEFT, END, BACKSPACE, CTRL_P, CTRL_U = "\x1b[D", "\x1b[F", "\x7f", "\x10", "\x15"
 PASTE = "\x1b[200~{}\x1b[201~"
 MESSAGE = "Tell me about the old bakeries of Paris and the bread they made every morning"
 
@@ -246,7 +246,9 @@ EDITS = {  # each ends with the same message in the input line
                                                                    "morning"), " old", END],
     "paste that replaces the line": ["Something else entirely, typed first", CTRL_U, PASTE.format(MESSAGE)],
     "ctrl-c clears the line": ["A question I change my mind about", CTRL_C, MESSAGE],
-    "history recall": [UP, UP],  # past "/undo" to the message before it: the same words at once
+    # past "/undo" to the message before it: the same words at once (Ctrl-P: Up on an empty line offers the
+    # chat's own turns for editing, ui/turnpick.py)
+    "history recall": [CTRL_P, CTRL_P],
 }
 
 
