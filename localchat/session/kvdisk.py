@@ -33,6 +33,7 @@ AUTOSAVE_SHARE = 0.05
 SPACED_S = 900.0  # past the day's write budget: autosave saves at most this often (and at exit)
 SAMPLE_BYTES = 16 << 20  # read and hashed to estimate a restore's speed
 SPEEDS_FILE = "speeds.json"
+CHECKED = "checked_with"  # meta.json: the llama-cpp-python a state another one wrote was found to load with
 PREFIX_META_SUFFIX = ".json"  # beside each prefix store state: what it holds (`localchat cache list`)
 GIB = 1 << 30
 
@@ -333,6 +334,7 @@ class KVDisk:
         same = next((i for i, (a, b) in enumerate(zip(chain.tokens, tokens)) if a != b),
                     min(len(chain.tokens), len(tokens)))
         if same == len(tokens) == len(chain.tokens):
+            self.last_written = 0
             return replace(chain.header, tokens=list(tokens))  # nothing changed since: nothing to write
         cells = kvdelta.added(payload, same, len(tokens))
         segment = kvdelta.encode(chain.header.payload_digest, same, tokens[same:], cells)
@@ -358,7 +360,8 @@ class KVDisk:
                 "model": {"path": str(about.model_path), "name": about.model_name, "fingerprint": header.fingerprint},
                 "llama_cpp_python": header.llama_cpp_python, "kv_settings": header.kv_settings,
                 "profile": about.profile_name, "turns": turns, "tokens": len(header.tokens),
-                "state": {"size": header.payload_size, "digest": f"{header.digest}:{header.payload_digest}"}}
+                "state": {"size": header.payload_size, "digest": f"{header.digest}:{header.payload_digest}"},
+                **({CHECKED: before[CHECKED]} if CHECKED in before else {})}  # the base is the one checked
 
     def keep_measured_speeds(self) -> None:
         for key in ("prefill_tps", "copy_bps"):

@@ -20,10 +20,10 @@ from localchat.engine import llama_version
 from localchat.errors import LocalchatError
 from localchat.session import statefile
 from localchat.session.background import lower_priority
+from localchat.session.kvdisk import CHECKED
 from localchat.session.lifecycle import Session
 from localchat.session.sessiondir import SessionDir, list_sessions
 
-CHECKED = "checked_with"  # meta.json: the llama-cpp-python a state was found to load with
 RECENT = 3  # sessions remade after a chat ends
 
 
@@ -54,18 +54,19 @@ def pending() -> list[SessionDir]:
     return [s for _, s in sorted(found, key=lambda x: -x[0])]
 
 
+def _model_of(store: SessionDir) -> Path:
+    return Path(str(store.read_meta().get("model", {}).get("path", "")))
+
+
 def remake(profile: str, overrides: dict[str, Any], limit: int, report: Callable[[str], None]) -> list[Remade]:
-    """The `limit` most recent pending sessions checked, and remade where llama.cpp refuses their state."""
+    """The `limit` most recent pending sessions whose model is here checked, and remade where llama.cpp refuses
+    their state (those of a model that is gone wait: their state is refused either way)."""
     done: list[Remade] = []
-    chosen = pending()[:limit]
-    by_model: dict[str, list[SessionDir]] = {}
-    for store in chosen:
-        by_model.setdefault(str(store.read_meta().get("model", {}).get("path", "")), []).append(store)
+    by_model: dict[Path, list[SessionDir]] = {}
+    for store in [s for s in pending() if _model_of(s).is_file()][:limit]:
+        by_model.setdefault(_model_of(store), []).append(store)
     for model, stores in by_model.items():
-        if not model or not Path(model).exists():
-            done += [Remade(s.name, f"skipped: its model {model or '?'} is not there", 0, 0.0) for s in stores]
-            continue
-        rt = runtime.open_runtime(runtime.load_profile(profile, {**overrides, "model": model}), lambda text: None)
+        rt = runtime.open_runtime(runtime.load_profile(profile, {**overrides, "model": str(model)}), lambda text: None)
         try:
             done += [_one(rt, store) for store in stores]
         finally:
@@ -84,6 +85,10 @@ def _one(rt: runtime.Runtime, store: SessionDir) -> Remade:
     ctl = Session(rt, store, lambda text: None, autosave=True)  # its lock taken as a remake's: a chat stops this
     try:
         ctl.resume()
+    except (LocalchatError, OSError) as why:
+        store.unlock()
+        return Remade(store.name, f"skipped: {why}", 0, time.perf_counter() - t0)
+    try:
         if ctl.restored:
             store.write_meta({**store.read_meta(), CHECKED: llama_version()})
             return Remade(store.name, "checked: it loads as it is", 0, time.perf_counter() - t0)
@@ -99,8 +104,8 @@ def _one(rt: runtime.Runtime, store: SessionDir) -> Remade:
 def start_in_background(profile: str) -> bool:
     """After a chat: a child process at idle priority remakes the most recent pending states; whether one started."""
     try:
-        if not pending():
-            return False
+        if not any(_model_of(s).is_file() for s in pending()):
+            return False  # none, or only sessions whose model is gone: nothing to load
         subprocess.Popen([sys.executable, "-m", "localchat", "sessions", "remake", "--profile", profile,
                           "--limit", str(RECENT)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=_idle)
