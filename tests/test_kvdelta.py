@@ -60,6 +60,21 @@ def test_a_base_and_its_deltas_restore_the_live_kv(demo_path, flash_attn):
         e.close()
 
 
+def test_an_undo_with_nothing_new_is_a_delta_of_no_cells_that_cuts_the_base(demo_path):
+    e = make_engine(demo_path, n_ctx=512)
+    try:
+        tokens = e.tokenize(STORY, False, False)
+        e.prefill(tokens)
+        base = bytes(e.state_bytes())
+        e.truncate(len(tokens) - 4)
+        shorter = bytes(e.state_bytes())
+        delta = kvdelta.added(memoryview(shorter), len(tokens) - 4, len(tokens) - 4)
+        assert len(delta) == 16  # llama.cpp's empty stream: its magic, the sequence, one stream of no cells
+        assert joined(kvdelta.merged([kvdelta.parse(base), kvdelta.parse(delta)], [len(tokens) - 4])) == shorter
+    finally:
+        e.close()
+
+
 def test_a_sliding_window_state_is_not_cut(gemma_path):
     e = make_engine(gemma_path, n_ctx=512)
     try:

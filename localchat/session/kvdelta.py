@@ -75,8 +75,10 @@ def parse(payload: memoryview | bytes) -> Cells:
 
 def _parse(buf: memoryview) -> Cells:
     magic, _, n_stream, cells = struct.unpack_from("<IiII", buf, 0)
-    if magic != SEQ_STATE_MAGIC or n_stream != 1 or cells == 0:
+    if magic != SEQ_STATE_MAGIC or n_stream != 1 or (cells == 0 and len(buf) != 16):
         raise Uncuttable(f"magic {magic:#x}, {n_stream} streams, {cells} cells")
+    if cells == 0:  # llama.cpp writes no layers for an empty stream (a save after /undo adds no cells)
+        return Cells(bytes(buf[:8]), np.zeros(0, np.int32), 0, [], [])
     meta = np.frombuffer(buf, _META, cells, 16)
     if not (meta["n_seq"] == 1).all():
         raise Uncuttable("a cell of several sequences, or cell extensions")
@@ -114,6 +116,8 @@ def merged(sources: list[Cells], cuts: list[int]) -> list[memoryview | bytes]:
     for i, src in enumerate(sources):
         limit = min(cuts[i:], default=None)  # cuts[i] is the cut of sources[i + 1]
         kept.append(src if limit is None else src.select(src.pos < limit))
+    if not any(len(c.pos) for c in kept):
+        return [sources[0].lead, struct.pack("<II", 1, 0)]  # no cells at all: an empty stream
     kept = [c for c in kept if len(c.pos)]
     first = kept[0]
     if any(c.lead != first.lead or c.v_trans != first.v_trans or [x[:2] for x in c.k] != [x[:2] for x in first.k]
