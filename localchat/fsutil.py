@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +117,15 @@ def file_sha256(path: Path, cache: Path) -> str:
     except OSError:
         pass  # a read-only home only costs the next run a re-hash
     return value
+
+
+@contextlib.contextmanager
+def held_lock(path: Path | str) -> Iterator[None]:
+    """An exclusive lock on the file `path` (made, private, where missing), held while the block runs: other
+    processes that take it wait."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, PRIVATE_FILE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

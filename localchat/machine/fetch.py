@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import shutil
@@ -17,6 +16,7 @@ from pathlib import Path
 
 from localchat import paths
 from localchat.errors import ModelError
+from localchat.fsutil import held_lock
 from localchat.machine import bertgguf
 
 Report = Callable[[str], None]
@@ -92,8 +92,7 @@ def ensure_builtin(alias: str, report: Report) -> Path:
     if target.exists():
         return target
     paths.private_dir(target.parent)
-    with os.fdopen(os.open(target.parent / f".fetch-{alias}.lock", os.O_CREAT | os.O_RDWR, 0o600)) as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two first uses at once: one fetches, the other waits for it
+    with held_lock(target.parent / f".fetch-{alias}.lock"):  # two first uses at once: one fetches, one waits
         if not target.exists():
             _fetch(model, target, report)
     return target

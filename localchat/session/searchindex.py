@@ -12,7 +12,6 @@ not in the index itself (a typo); a query FTS5 cannot parse is searched as plain
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from localchat.chat.transcript import parse
-from localchat.fsutil import PRIVATE_FILE
+from localchat.fsutil import PRIVATE_FILE, held_lock
 from localchat.paths import home, private_dir
 
 FORMAT = "3"  # 2: sentence vectors beside the words (session/meaning.py); 3: compaction summaries, a kind apart
@@ -103,16 +102,10 @@ class SearchIndex:
         with self._making():
             return self._checked_or_made()
 
-    @contextlib.contextmanager
-    def _making(self) -> Iterator[None]:
+    def _making(self) -> contextlib.AbstractContextManager[None]:
         """Held while the index is opened and, if need be, made: a chat's indexer and its model's search (or
         two chats) starting on no index would each remake it under the other (measured: 17 of 40 searches failed)."""
-        fd = os.open(f"{self.path}.lock", os.O_WRONLY | os.O_CREAT, PRIVATE_FILE)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+        return held_lock(f"{self.path}.lock")
 
     def _checked_or_made(self) -> sqlite3.Connection:
         fresh = not self.path.exists()

@@ -4,16 +4,12 @@ cost the SSD. Kept in `kv-writes.json` under the home, updated under a file lock
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import fcntl
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 from localchat import paths
-from localchat.fsutil import PRIVATE_FILE, atomic_write
+from localchat.fsutil import atomic_write, held_lock
 
 LEDGER = "kv-writes.json"
 KEEP_DAYS = 30
@@ -25,16 +21,6 @@ def _path() -> Path:
 
 def today() -> str:
     return datetime.date.today().isoformat()
-
-
-@contextlib.contextmanager
-def _locked() -> Iterator[None]:
-    fd = os.open(f"{_path()}.lock", os.O_WRONLY | os.O_CREAT, PRIVATE_FILE)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def by_day() -> dict[str, int]:
@@ -56,7 +42,7 @@ def add(nbytes: int) -> int:
     """Count `nbytes` written now; today's total after it (0 where the home cannot be written)."""
     try:
         paths.private_dir(_path().parent)
-        with _locked():
+        with held_lock(f"{_path()}.lock"):
             days = by_day()
             days[today()] = days.get(today(), 0) + nbytes
             kept = dict(sorted(days.items())[-KEEP_DAYS:])
