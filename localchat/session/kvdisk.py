@@ -304,10 +304,14 @@ class KVDisk:
             atomic_write(path, [head, payload])
         finally:
             self.engine.state_done(payload)  # a pinned copy's buffer is free for the next
-        self.last_written = len(head) + len(payload)
-        self.written += self.last_written
-        self.today = (writes.today(), writes.add(self.last_written) or self.today[1] + self.last_written)
+        self._count(len(head) + len(payload))
         return header
+
+    def _count(self, nbytes: int) -> None:
+        """A write of `nbytes` done: the last one's size, this run's total and the home's day."""
+        self.last_written = nbytes
+        self.written += nbytes
+        self.today = (writes.today(), writes.add(nbytes) or self.today[1] + nbytes)
 
     def write_session(self, path: Path, payload: memoryview, tokens: list[int]) -> StateHeader:
         """A session's save (the writer's thread): what changed since the last save, appended after its state as
@@ -343,9 +347,7 @@ class KVDisk:
             raise _Outgrown(f"{chain.segments} segments, {chain.deltas_end + len(segment):,} bytes after a "
                             f"{chain.header.payload_size:,}-byte base")
         kvdelta.append(path_of_deltas(chain.path), segment, chain.deltas_end)
-        self.last_written = len(segment)
-        self.written += len(segment)
-        self.today = (writes.today(), writes.add(len(segment)) or self.today[1] + len(segment))
+        self._count(len(segment))
         chain.tokens, chain.segments, chain.deltas_end = list(tokens), chain.segments + 1, \
             chain.deltas_end + len(segment)
         return replace(chain.header, tokens=list(tokens))
