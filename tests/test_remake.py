@@ -20,13 +20,16 @@ TOPICS = ["lighthouses", "rivers", "orchards", "glaciers"]
 
 
 def as_if_written_by_another_version(state: Path) -> None:
-    """The state as an older llama-cpp-python wrote it, in a layout this llama.cpp does not take (its magic)."""
+    """The state as an older llama-cpp-python wrote it, in a layout this llama.cpp does not take (its magic), and
+    its meta.json as that version wrote it beside it."""
     header, offset = statefile.read_header(state)
     payload = bytearray(state.read_bytes()[offset:])
     payload[0] ^= 0xFF  # llama.cpp's own format marker: it refuses the state
     older = statefile.make_header(payload, header.fingerprint, header.kv_settings, header.tokens, "0.2.90")
     state.write_bytes(statefile.encode(older) + bytes(payload))
     state.with_suffix(".delta").unlink(missing_ok=True)
+    meta = state.with_name("meta.json")
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "llama_cpp_python": "0.2.90"}))
 
 
 def pending(home: Path) -> int:

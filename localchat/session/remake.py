@@ -18,7 +18,6 @@ from typing import Any
 from localchat import runtime
 from localchat.engine import llama_version
 from localchat.errors import LocalchatError
-from localchat.session import statefile
 from localchat.session.background import lower_priority
 from localchat.session.kvdisk import CHECKED
 from localchat.session.lifecycle import Session
@@ -35,20 +34,14 @@ class Remade:
     seconds: float
 
 
-def _written_by(store: SessionDir) -> str | None:
-    try:
-        return statefile.read_header(store.state)[0].llama_cpp_python
-    except statefile.StateRejected:
-        return None
-
-
 def pending() -> list[SessionDir]:
-    """Sessions whose saved state another llama-cpp-python wrote and none has checked since, most recent first."""
+    """Sessions whose saved state another llama-cpp-python wrote and none has checked since, most recent first
+    (by meta.json, written beside each save with its state's version: a chat's end reads no state header)."""
     now = llama_version()
     found = []
     for store in list_sessions():
         meta = store.read_meta()
-        written = _written_by(store) if store.state.exists() else None
+        written = meta.get("llama_cpp_python") if store.state.exists() else None
         if written is not None and written != now and meta.get(CHECKED) != now:
             found.append((float(meta.get("updated") or 0.0), store))
     return [s for _, s in sorted(found, key=lambda x: -x[0])]
