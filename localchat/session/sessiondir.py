@@ -79,7 +79,7 @@ class SessionDir:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").split()
-            if not purpose and holder[1:] == ["remake"] and _stopped(int(holder[0]), fd):
+            if not purpose and holder[1:] == ["remake"] and holder[0].isdigit() and _stopped(int(holder[0]), fd):
                 pass  # the background remake of this session's state gave way
             else:
                 os.close(fd)
