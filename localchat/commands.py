@@ -184,9 +184,9 @@ def as_tree(rows: list[dict]) -> list[tuple[int, dict]]:
 
 def verify_session(s: SessionDir) -> list[str]:
     """Every check a resume makes, without loading the model. Returns problems (empty: all good)."""
-    from localchat.session import kvdelta, statefile
+    from localchat.session import statefile
     from localchat.session.fingerprint import fingerprint
-    from localchat.session.kvdisk import check_state, path_of_deltas
+    from localchat.session.kvdisk import check_state, read_saved
     problems = []
     conv = s.conversation()
     if not conv.messages:
@@ -206,13 +206,12 @@ def verify_session(s: SessionDir) -> list[str]:
             problems.append(f"model file {model_path} is not there (state kept)")
     settings = meta.get("kv_settings")
     try:
-        header, offset = statefile.read_header(s.state)
-        statefile.read_payload(s.state, header, offset)
-        segments, _, torn = kvdelta.read(path_of_deltas(s.state), header.payload_digest)
-        if torn:
-            problems.append(f"{torn} (the resume restores the save before it)")
-        header = dataclasses.replace(header, tokens=kvdelta.tokens_after(header.tokens, segments))
-        check_state(header, conv.window_tokens(), fp, settings if isinstance(settings, dict) else None)
+        saved = read_saved(s.state)
+        statefile.read_payload(s.state, saved.header, saved.offset)
+        if saved.torn:
+            problems.append(f"{saved.torn} (the resume restores the save before it)")
+        check_state(dataclasses.replace(saved.header, tokens=saved.tokens), conv.window_tokens(), fp,
+                    settings if isinstance(settings, dict) else None)
     except statefile.StateRejected as exc:
         problems.append(f"KV state rejected: {exc}")
     return problems

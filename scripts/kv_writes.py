@@ -37,6 +37,7 @@ def chat(home: Path, args: argparse.Namespace) -> list[dict]:
 def restores(home: Path, args: argparse.Namespace) -> dict:
     """The session's KV restored from a base of half of it and four segments, and from one whole state."""
     from localchat import runtime
+    from localchat.session.kvdisk import read_saved
     from localchat.session.lifecycle import Session
     from localchat.session.sessiondir import SessionDir
 
@@ -48,13 +49,13 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
     tokens = engine.tokens[:engine.n_kv]
     whole_path, chained_path = home / "whole.state", home / "chained.state"
     kv.write(whole_path, engine.state_bytes(), tokens)
-    whole = kv.saved(whole_path)
+    whole = read_saved(whole_path)
     kv.chain = None  # a chain as a long chat leaves it: a base of half the KV, four saves after it
     for part in (4, 5, 6, 7, 8):
         n = len(tokens) * part // 8
         engine.prefill(tokens[:n]) if part > 4 else engine.truncate(n)
         kv.write_session(chained_path, engine.state_bytes(), tokens[:n])
-    chained = kv.saved(chained_path)
+    chained = read_saved(chained_path)
     times: dict[str, list[float]] = {"deltas": [], "whole": []}
     for _ in range(args.repeat):
         for name, saved in (("deltas", chained), ("whole", whole)):

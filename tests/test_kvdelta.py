@@ -91,6 +91,7 @@ def test_every_save_after_the_first_is_a_delta_and_every_one_resumes_to_the_live
     gives the next token the same logits as the live KV."""
     from localchat import runtime
     from localchat.host.host import Host
+    from localchat.session.kvdisk import read_saved
     from localchat.session.lifecycle import Session, SessionChoice
 
     profile = runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 12, "n_ctx": 2048,
@@ -123,7 +124,7 @@ def test_every_save_after_the_first_is_a_delta_and_every_one_resumes_to_the_live
             engine.truncate(len(window))
             ctl.note_restored()
             ctl.chat.ahead.drop_warm()
-        saved = ctl.kv.saved(ctl.store.state)
+        saved = read_saved(ctl.store.state)
         assert saved.segments and not saved.torn
         whole = len(bytes(engine.state_bytes()))
         written = json.loads((home / "sessions" / "d" / "meta.json").read_text())["kv_written"]["total"]

@@ -13,6 +13,7 @@ import psutil
 from localchat import runtime
 from localchat.bench.peer import PeerServer
 from localchat.engine import Engine, Generation, PrefillResult, SamplingConfig
+from localchat.session.kvdisk import read_saved
 from localchat.session.lifecycle import Session
 from localchat.session.sessiondir import SessionDir
 
@@ -106,7 +107,7 @@ def _resume(rt: runtime.Runtime, ctl: Session, store: SessionDir) -> dict:
     resume_s = time.perf_counter() - t0
     chose_restore = ctl.restored
     t0 = time.perf_counter()
-    saved = ctl.kv.saved(store.state)  # the base and the saves after it, as a resume reads them
+    saved = read_saved(store.state)  # the base and the saves after it, as a resume reads them
     ctl.kv.load_saved(saved)
     load_s = time.perf_counter() - t0
     _, restore_first = _first_token(engine, window, t0, greedy)

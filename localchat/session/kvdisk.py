@@ -165,7 +165,7 @@ class KVDisk:
         speeds = self.speeds()
         self.chain = None
         try:
-            saved = self.saved(path)
+            saved = read_saved(path)
             check_state(replace(saved.header, tokens=saved.tokens), window, self.hasher.value, self.settings)
             est_load = saved.size / speeds["load_bps"] if speeds.get("load_bps") else \
                 self._estimate_load(saved, speeds.get("copy_bps", self.copy_bps))
@@ -188,12 +188,6 @@ class KVDisk:
             return Restored(False, f"chose re-prefill: {why}")
         except StateRejected as why:
             return Restored(False, f"saved KV not used: {why}; rebuilding from the transcript", str(why))
-
-    def saved(self, path: Path) -> Saved:
-        """The saved state at `path` with the segments after it (StateRejected for a damaged base)."""
-        header, offset = statefile.read_header(path)
-        segments, end, torn = kvdelta.read(path_of_deltas(path), header.payload_digest)
-        return Saved(path, header, offset, segments, end, torn)
 
     def load_saved(self, saved: Saved) -> bool:
         """A saved state and its segments into llama.cpp, every byte checked first; False where llama.cpp refuses
@@ -376,6 +370,14 @@ class KVDisk:
 
 def path_of_deltas(state: Path) -> Path:
     return state.with_suffix(DELTA_SUFFIX)
+
+
+def read_saved(path: Path) -> Saved:
+    """The saved state at `path` with the segments after it, as a resume reads them (StateRejected for a damaged
+    base header)."""
+    header, offset = statefile.read_header(path)
+    segments, end, torn = kvdelta.read(path_of_deltas(path), header.payload_digest)
+    return Saved(path, header, offset, segments, end, torn)
 
 
 def _tally(before: Any, nbytes: int) -> dict[str, Any]:
