@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from localchat.session.searchindex import Hit, SearchIndex, conditions
+from localchat.session.searchindex import Hit, SearchIndex, conditions, once_per_fork
 
 RRF_K = 60  # the usual constant: a row's score falls slowly with its rank in either list
 DEPTH = 50  # rows each ranking brings to the fusion
@@ -108,14 +108,8 @@ class Meaning:
         ranked = sorted(score, key=lambda i: (-score[i], i))
         by_id = {h.id: h for h in words}
         by_id |= self._hits([i for i in ranked if i not in by_id])
-        seen: set[tuple[int, str, str, str]] = set()
-        best = []
-        for i in (i for i in ranked if i in by_id):
-            h = by_id[i]
-            if (h.turn, h.kind, h.at, h.text) not in seen:
-                seen.add((h.turn, h.kind, h.at, h.text))
-                best.append(dataclasses.replace(h, score=score[i]))
-        return best[:limit]
+        best = once_per_fork([by_id[i] for i in ranked if i in by_id])[:limit]
+        return [dataclasses.replace(h, score=score[h.id]) for h in best]
 
     def _hits(self, ids: list[int]) -> dict[int, Hit]:
         """Rows found by meaning alone: their opening words stand for the snippet."""

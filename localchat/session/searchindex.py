@@ -244,13 +244,8 @@ class SearchIndex:
         except sqlite3.OperationalError:  # FTS5 could not parse it: the words as they are
             args[0] = self._match(" ".join(_WORD.findall(query)), plain=True)
             found = self.db.execute(sql, [*args, FORK_SLACK * limit]).fetchall() if args[0] else []
-        seen: set[tuple[int, str, str, str]] = set()
-        hits = []
-        for s, t, k, a, snip, score, text, i in found:
-            if (t, k, a, text) not in seen:
-                seen.add((t, k, a, text))
-                hits.append(Hit(s, t, k, a, snip, -score, text, i))
-        return hits[:limit]
+        hits = [Hit(s, t, k, a, snip, -score, text, i) for s, t, k, a, snip, score, text, i in found]
+        return once_per_fork(hits)[:limit]
 
     def _match(self, query: str, plain: bool = False) -> str:
         if not plain and _OPERATORS.search(query):
@@ -279,6 +274,17 @@ class SearchIndex:
                                (word[0], chr(ord(word[0]) + 1))).fetchall()
         near = [(n, t) for t, n in rows if _edits(word, t, most) <= most]
         return [t for _, t in sorted(near, reverse=True)[:3]]
+
+
+def once_per_fork(hits: list[Hit]) -> list[Hit]:
+    """The hits less the copies a fork holds of its origin's turns (the same turn, kind, time and text), in order."""
+    seen: set[tuple[int, str, str, str]] = set()
+    out = []
+    for h in hits:
+        if (h.turn, h.kind, h.at, h.text) not in seen:
+            seen.add((h.turn, h.kind, h.at, h.text))
+            out.append(h)
+    return out
 
 
 def conditions(session: str | None, since: str | None, until: str | None,
