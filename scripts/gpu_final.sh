@@ -9,6 +9,8 @@
 #                                               # against llama-bench, verify cost
 #   bash scripts/gpu_final.sh document OUTDIR # build + the 8B shape, bench --document 20000 (KVS: f16 q8_0)
 #   bash scripts/gpu_final.sh statecost OUTDIR # build + the 8B shape, a 20,000-token state's way to disk and back
+#   bash scripts/gpu_final.sh writes OUTDIR   # build + the 8B shape, scripts/kv_writes.py to ~21,000 tokens (KVS: q8_0
+#                                               # f16), then the seed bench's resume (restore or re-prefill chosen)
 #   bash scripts/gpu_final.sh tools OUTDIR     # build + the 8B shape, bench --tools against llama-server
 #   bash scripts/gpu_final.sh ui OUTDIR        # build + the 8B shape, bench --typing's stage trace against
 #                                               # llama-server (BEFORE=DIR: an older localchat/ there first)
@@ -22,7 +24,7 @@
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-case $PHASE in decode|document|statecost|split|split2|tools|ui|gap34|images) export MODELS=${MODELS:-8b-gqa};; demo|mrope) export MODELS=${MODELS:-tiny};; esac
+case $PHASE in decode|document|statecost|writes|split|split2|tools|ui|gap34|images) export MODELS=${MODELS:-8b-gqa};; demo|mrope) export MODELS=${MODELS:-tiny};; esac
 # one model: the build and it fit with the runs (the demo phase brings its own)
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
@@ -104,6 +106,30 @@ case $PHASE in
       echo "state cost ($kv) at $(( $(date +%s) - t0 )) s"
     done
     cat "$OUT/state-cost-8b.jsonl"
+    ;;
+  writes)  # KV deltas: bytes written against the final state, the restore of base + segments against a whole one
+    for kv in ${KVS:-q8_0 f16}; do
+      timeout 200 python3 scripts/kv_writes.py --profile h200 --model $M/8b-gqa.gguf --kv-type $kv --ctx 22528 \
+        --turns 40 --repeat 5 --out "$OUT/kv-writes-8b-$kv.json" > /dev/null 2> "$OUT/kv-writes-8b-$kv.err"
+      echo "kv writes ($kv) at $(( $(date +%s) - t0 )) s"; tail -3 "$OUT/kv-writes-8b-$kv.err"
+    done
+    timeout 150 python3 -m localchat bench --profile h200 --model $M/8b-gqa.gguf --repeat 1 \
+      --json "$OUT/seed-8b.json" > "$OUT/seed-8b.txt" 2> "$OUT/seed-8b.err"
+    echo "seed bench at $(( $(date +%s) - t0 )) s"
+    python3 - "$OUT/seed-8b.json" <<'PY'
+import json, sys
+def found(x):
+    if isinstance(x, dict):
+        if "chosen_within_10pct" in x:
+            yield x
+        for v in x.values():
+            yield from found(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from found(v)
+for r in found(json.load(open(sys.argv[1]))):
+    print(json.dumps(r))
+PY
     ;;
   gap34)  # plain decode against llama-bench: bench --decode (paired by round), then decode_gap.py's ways at both
           # workloads' depths (where a step's time goes: the raw loop, the token read, the engine's pieces, generate)

@@ -3,7 +3,8 @@ bytes its saves wrote (meta.json's kv_written) against the final state's size an
 (each turn's state, as the autosave before deltas wrote it); then the final KV restored from its base and segments
 against the same KV restored from one whole state (medians of --repeat, alternated, in one process).
 
-    python scripts/kv_writes.py [--model demo] [--ctx 8192] [--turns 40] [--repeat 5] [--out FILE]"""
+    python scripts/kv_writes.py [--model demo] [--profile cpu] [--kv-type f16] [--ctx 8192] [--turns 40]
+                                [--repeat 5] [--out FILE]"""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def chat(home: Path, args: argparse.Namespace) -> list[dict]:
     stats = home / "stats.jsonl"
     per_turn = max(1, (args.ctx - 1500) // args.turns // 44)  # about 44 tokens a filler sentence
     lines = "".join(f"Entry {i}: {FILLER * per_turn}Summarise entry {i} in one line.\n" for i in range(args.turns))
-    r = subprocess.run([sys.executable, "-m", "localchat", "--model", args.model, "--ctx", str(args.ctx),
+    r = subprocess.run([sys.executable, "-m", "localchat", "--profile", args.profile, "--model", args.model,
+                        "--kv-type", args.kv_type, "--ctx", str(args.ctx),
                         "--temperature", "0", "--max-tokens", "24", "--overflow", "stop", "--session", "w",
                         "--stats-json", str(stats)], input=lines, text=True, capture_output=True,
                        env={**os.environ, "LOCALCHAT_HOME": str(home)})
@@ -42,7 +44,8 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
     from localchat.session.sessiondir import SessionDir
 
     os.environ["LOCALCHAT_HOME"] = str(home)
-    rt = runtime.open_runtime(runtime.load_profile("cpu", {"model": args.model, "n_ctx": args.ctx}), lambda t: None)
+    settings = {"model": args.model, "n_ctx": args.ctx, "type_k": args.kv_type, "type_v": args.kv_type}
+    rt = runtime.open_runtime(runtime.load_profile(args.profile, settings), lambda t: None)
     ctl = Session(rt, SessionDir("w"), lambda t: None, autosave=False)
     ctl.resume()
     kv, engine = ctl.kv, rt.engine
@@ -75,6 +78,8 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="demo")
+    ap.add_argument("--profile", default="cpu")
+    ap.add_argument("--kv-type", default="f16")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--turns", type=int, default=40)
     ap.add_argument("--repeat", type=int, default=5)
@@ -86,7 +91,7 @@ def main() -> None:
     result = restores(home, args)
     per_token = result["whole_bytes"] / max(rows[-1]["ctx_used"], 1)
     whole_every_turn = sum(round(r["ctx_used"] * per_token) for r in rows)
-    out = {"model": args.model, "ctx": args.ctx, "turns": len(rows), "final_tokens": rows[-1]["ctx_used"],
+    out = {"model": args.model, "profile": args.profile, "kv_type": args.kv_type, "ctx": args.ctx, "turns": len(rows), "final_tokens": rows[-1]["ctx_used"],
            "written_bytes": meta["kv_written"]["total"], "final_state_bytes": result["whole_bytes"],
            "written_over_final": round(meta["kv_written"]["total"] / result["whole_bytes"], 2),
            "whole_saves_every_turn_bytes": whole_every_turn,
