@@ -206,7 +206,7 @@ def verify_session(s: SessionDir) -> list[str]:
             problems.append(f"model file {model_path} is not there (state kept)")
     settings = meta.get("kv_settings")
     try:
-        saved = read_saved(s.state)
+        saved = read_saved(s.state, check_segments=True)
         statefile.read_payload(s.state, saved.header, saved.offset)
         if saved.torn:
             problems.append(f"{saved.torn} (the resume restores the save before it)")

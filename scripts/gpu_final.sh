@@ -9,8 +9,9 @@
 #                                               # against llama-bench, verify cost
 #   bash scripts/gpu_final.sh document OUTDIR # build + the 8B shape, bench --document 20000 (KVS: f16 q8_0)
 #   bash scripts/gpu_final.sh statecost OUTDIR # build + the 8B shape, a 20,000-token state's way to disk and back
-#   bash scripts/gpu_final.sh writes OUTDIR   # build + the 8B shape, scripts/kv_writes.py to ~21,000 tokens (KVS: q8_0
-#                                               # f16), then the seed bench's resume (restore or re-prefill chosen)
+#   bash scripts/gpu_final.sh writes OUTDIR   # build + the 8B shape, scripts/kv_writes.py to ~21,000 tokens, a turn
+#                                               # 3 s after a reply (KVS: q8_0 f16), then (SEED=0: not) the seed
+#                                               # bench's resume (restore or re-prefill chosen)
 #   bash scripts/gpu_final.sh tools OUTDIR     # build + the 8B shape, bench --tools against llama-server
 #   bash scripts/gpu_final.sh ui OUTDIR        # build + the 8B shape, bench --typing's stage trace against
 #                                               # llama-server (BEFORE=DIR: an older localchat/ there first)
@@ -109,10 +110,11 @@ case $PHASE in
     ;;
   writes)  # KV deltas: bytes written against the final state, the restore of base + segments against a whole one
     for kv in ${KVS:-q8_0 f16}; do
-      timeout 200 python3 scripts/kv_writes.py --profile h200 --model $M/8b-gqa.gguf --kv-type $kv --ctx 22528 \
-        --turns 40 --repeat 5 --out "$OUT/kv-writes-8b-$kv.json" > /dev/null 2> "$OUT/kv-writes-8b-$kv.err"
+      timeout 280 python3 scripts/kv_writes.py --profile h200 --model $M/8b-gqa.gguf --kv-type $kv --ctx 22528 \
+        --turns 40 --pause 3 --repeat 5 --out "$OUT/kv-writes-8b-$kv.json" > /dev/null 2> "$OUT/kv-writes-8b-$kv.err"
       echo "kv writes ($kv) at $(( $(date +%s) - t0 )) s"; tail -3 "$OUT/kv-writes-8b-$kv.err"
     done
+    [ "${SEED:-1}" = 0 ] && exit 0
     timeout 150 python3 -m localchat bench --profile h200 --model $M/8b-gqa.gguf --repeat 1 \
       --json "$OUT/seed-8b.json" > "$OUT/seed-8b.txt" 2> "$OUT/seed-8b.err"
     echo "seed bench at $(( $(date +%s) - t0 )) s"

@@ -18,22 +18,54 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 FILLER = ("The harbour log for this watch records the wind, the tide, the ships that passed the point, their "
           "flags and cargo, the state of the lamp and the lens, and anything the keeper noticed on the water. ")
 
 
 def chat(home: Path, args: argparse.Namespace) -> list[dict]:
+    """The scripted turns, each sent `--pause` seconds after the last reply (a person reading it: autosave saves
+    when its copy takes at most 5% of the time since the last save, so back-to-back turns on a fast card would
+    save less often than a person's)."""
     stats = home / "stats.jsonl"
     per_turn = max(1, (args.ctx - 1500) // args.turns // 44)  # about 44 tokens a filler sentence
-    lines = "".join(f"Entry {i}: {FILLER * per_turn}Summarise entry {i} in one line.\n" for i in range(args.turns))
-    r = subprocess.run([sys.executable, "-m", "localchat", "--profile", args.profile, "--model", args.model,
-                        "--kv-type", args.kv_type, "--ctx", str(args.ctx),
-                        "--temperature", "0", "--max-tokens", "24", "--overflow", "stop", "--session", "w",
-                        "--stats-json", str(stats)], input=lines, text=True, capture_output=True,
-                       env={**os.environ, "LOCALCHAT_HOME": str(home)})
-    if r.returncode != 0:
-        sys.exit(r.stderr[-2000:])
+    lines = [f"Entry {i}: {FILLER * per_turn}Summarise entry {i} in one line.\n" for i in range(args.turns)]
+    with (home / "chat.err").open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "localchat", "--profile", args.profile, "--model", args.model,
+                                 "--kv-type", args.kv_type, "--ctx", str(args.ctx), "--temperature", "0",
+                                 "--max-tokens", "24", "--overflow", "stop", "--session", "w",
+                                 "--stats-json", str(stats)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=err, text=True, env={**os.environ, "LOCALCHAT_HOME": str(home)})
+        assert proc.stdin is not None
+        for i, line in enumerate(lines):
+            proc.stdin.write(line)
+            proc.stdin.flush()
+            while proc.poll() is None and _rows(stats) <= i:
+                time.sleep(0.02)
+            time.sleep(args.pause)
+        proc.stdin.close()
+        if proc.wait() != 0:
+            sys.exit((home / "chat.err").read_text()[-2000:])
     return [json.loads(x) for x in stats.read_text().splitlines()]
+
+
+def _rows(stats: Path) -> int:
+    try:
+        return stats.read_text().count("\n")
+    except FileNotFoundError:
+        return 0
+
+
+def _greedy(engine, tokens: list[int]) -> tuple[int, np.ndarray]:
+    """The next token after `tokens` (the KV holds them all but a probe evaluated here), and the logits."""
+    import llama_cpp as lc
+    probe = tokens + tokens[-1:]
+    engine.prefill(probe)
+    logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(engine.ctx, -1),
+                                   shape=(lc.llama_vocab_n_tokens(engine.vocab),)).copy()
+    engine.truncate(len(tokens))
+    return int(logits.argmax()), logits
 
 
 def restores(home: Path, args: argparse.Namespace) -> dict:
@@ -59,20 +91,38 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
         engine.prefill(tokens[:n]) if part > 4 else engine.truncate(n)
         kv.write_session(chained_path, engine.state_bytes(), tokens[:n])
     chained = read_saved(chained_path)
-    times: dict[str, list[float]] = {"deltas": [], "whole": []}
+    live_token, live_logits = _greedy(engine, tokens)  # the KV the chain was cut from, as it is live
+    sessions = ctl.store.state  # the chain the chat itself left: its last base and the saves after it
+    times: dict[str, list[float]] = {"deltas": [], "whole": [], "session": []}
+    next_tokens: dict[str, int] = {}
+    logits: dict[str, np.ndarray] = {}
     for _ in range(args.repeat):
-        for name, saved in (("deltas", chained), ("whole", whole)):
+        for name, path in (("deltas", chained_path), ("whole", whole_path), ("session", sessions)):
             engine.clear()
             t0 = time.perf_counter()
+            saved = read_saved(path)  # timed too: a resume reads the segments' headers, then everything
             assert kv.load_saved(saved)
             times[name].append(time.perf_counter() - t0)
+            held = saved.tokens
+            del saved
+            if name not in next_tokens:
+                next_tokens[name], logits[name] = _greedy(engine, held)
     ctl.close()
     rt.close()
     return {"segments": len(chained.segments), "base_bytes": chained.header.payload_size,
             "segments_bytes": chained.size - chained.header.payload_size, "whole_bytes": whole.size,
+            "session_segments": len(read_saved(sessions).segments),
             "restore_deltas_s": times["deltas"], "restore_whole_s": times["whole"],
+            "restore_session_s": times["session"],
             "restore_deltas_median_s": statistics.median(times["deltas"]),
-            "restore_whole_median_s": statistics.median(times["whole"])}
+            "restore_whole_median_s": statistics.median(times["whole"]),
+            "restore_session_median_s": statistics.median(times["session"]),
+            # deltas against the live KV they were cut from; whole against the session's chain, both of the KV the
+            # resume restored (the chain's last half was evaluated again, in other batches: its logits differ a little)
+            "next_token": {**next_tokens, "live": live_token},
+            "deltas_next_token_is_live": next_tokens["deltas"] == live_token,
+            "logits_max_diff_deltas_live": float(np.abs(logits["deltas"] - live_logits).max()),
+            "logits_max_diff_whole_session": float(np.abs(logits["whole"] - logits["session"]).max())}
 
 
 def main() -> None:
@@ -83,6 +133,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--turns", type=int, default=40)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--pause", type=float, default=0.0, help="seconds between a reply and the next turn")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="kv-writes-"))
@@ -91,7 +142,9 @@ def main() -> None:
     result = restores(home, args)
     per_token = result["whole_bytes"] / max(rows[-1]["ctx_used"], 1)
     whole_every_turn = sum(round(r["ctx_used"] * per_token) for r in rows)
-    out = {"model": args.model, "profile": args.profile, "kv_type": args.kv_type, "ctx": args.ctx, "turns": len(rows), "final_tokens": rows[-1]["ctx_used"],
+    out = {"model": args.model, "profile": args.profile, "kv_type": args.kv_type, "ctx": args.ctx,
+           "turns": len(rows), "final_tokens": rows[-1]["ctx_used"],
+           "pause_s": args.pause, "turns_saved": sum(1 for r in rows if r.get("bytes_written")),
            "written_bytes": meta["kv_written"]["total"], "final_state_bytes": result["whole_bytes"],
            "written_over_final": round(meta["kv_written"]["total"] / result["whole_bytes"], 2),
            "whole_saves_every_turn_bytes": whole_every_turn,

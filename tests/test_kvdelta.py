@@ -5,6 +5,7 @@ the live one (the same next-token logits); layouts that cannot be cut (a sliding
 from __future__ import annotations
 
 import json
+import mmap
 
 import numpy as np
 import pytest
@@ -169,3 +170,39 @@ def test_a_torn_or_damaged_delta_restores_the_save_before_it_and_the_next_save_g
         said = [json.loads(x) for x in (folder / "transcript.jsonl").read_text().splitlines()]
         assert [m["content"] for m in said if m.get("role") == "user"] == \
             ["Name a colour.", "Name a fruit.", "Name a bird.", "Name a tree."]
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_a_restore_reads_the_base_and_segments_straight_to_their_places(home, demo_path, flash_attn, monkeypatch):
+    """load_saved reads each byte of the base and the segments from disk into its place in the state laid out
+    (no copy of either in between), checked as it is read: the state llama.cpp gets is byte for byte the one
+    the segments describe and the live KV's, after a rewind into the base too (V rows, and V transposed)."""
+    from localchat import runtime
+    from localchat.session.kvdisk import read_saved
+    from localchat.session.lifecycle import Session
+    from localchat.session.sessiondir import SessionDir
+
+    rt = runtime.open_runtime(runtime.load_profile("cpu", {"model": str(demo_path), "n_ctx": 1024,
+                                                           "flash_attn": flash_attn}), lambda text: None)
+    ctl = Session(rt, SessionDir("p"), lambda text: None, autosave=False)
+    kv, engine = ctl.kv, rt.engine
+    try:
+        tokens = engine.tokenize(STORY * 8, False, False)
+        state = home / "p.state"
+        third, half = len(tokens) // 3, len(tokens) // 2
+        edited = tokens[:third] + engine.tokenize(" Then a storm came over the hill." * 4, False, False)
+        for keep, now in ((0, tokens[:half]), (half, tokens[:half + half // 2]), (third, edited)):  # an edit last
+            engine.truncate(keep)
+            engine.prefill(now)
+            kv.write_session(state, engine.state_bytes(), now)
+        live = bytes(engine.state_bytes())
+        saved = read_saved(state)
+        assert [s.cut for s in saved.segments] == [half, third] and saved.tokens == edited
+        assert all(isinstance(s.payload.obj, mmap.mmap) for s in saved.segments)  # mapped, not read, until placed
+        handed: list[bytes] = []
+        monkeypatch.setattr(engine, "load_state", lambda data, toks: handed.append(bytes(data)) is None)
+        assert kv.load_saved(saved)
+        assert handed == [live]
+    finally:
+        ctl.close()
+        rt.close()

@@ -20,17 +20,21 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import struct
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from localchat.engine.pinned import Place, read_placed
 from localchat.fsutil import PRIVATE_FILE
+from localchat.session.statefile import chunk_hasher
 
 MAGIC = b"LCKD"
 VERSION = 1
@@ -39,6 +43,7 @@ MAX_SEGMENT_HEADER = 16 << 20
 SEQ_STATE_MAGIC = 0xAF143CD8  # llama-context.cpp's `io_magic`: what a sequence state starts with
 _U32, _K_HEAD, _V_TRANS_HEAD = struct.Struct("<I"), struct.Struct("<iQ"), struct.Struct("<iII")
 _META = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
+CRC32 = chunk_hasher("crc32")
 
 
 class Uncuttable(Exception):
@@ -57,11 +62,13 @@ class Cells:
     v: list[tuple[int, int, int, np.ndarray]]  # (ggml type, row or element bytes, channels (transposed) or 0, data)
 
     def select(self, keep: np.ndarray) -> Cells:
-        """The cells where `keep` is true (views where it keeps them all)."""
+        """The cells where `keep` is true (views where it keeps the first ones)."""
         if bool(keep.all()):
             return self
-        return Cells(self.lead, self.pos[keep], self.v_trans, [(t, r, a[keep]) for t, r, a in self.k],
-                     [(t, r, n, a[:, keep] if n else a[keep]) for t, r, n, a in self.v])
+        n_kept = int(keep.sum())
+        which: slice | np.ndarray = slice(0, n_kept) if bool(keep[:n_kept].all()) else keep  # the first cells: views
+        return Cells(self.lead, self.pos[which], self.v_trans, [(t, r, a[which]) for t, r, a in self.k],
+                     [(t, r, n, a[:, which] if n else a[which]) for t, r, n, a in self.v])
 
 
 def parse(payload: memoryview | bytes) -> Cells:
@@ -151,6 +158,31 @@ def laid_out(pieces: list[memoryview | bytes], into: memoryview) -> memoryview:
     return into
 
 
+def placed(pieces: list[memoryview | bytes], sources: list[memoryview]) -> tuple[list[list[Place]],
+                                                                             list[tuple[int, memoryview | bytes]]]:
+    """Where the pieces of a state laid out come from: per source (a buffer pieces may be views of: a mapped base
+    or deltas file), the runs to read from it ((offset in the source, bytes, offset in the state), sorted); and the
+    pieces of no source (made here), each with its offset in the state."""
+    bounds = [(_address(src), len(src)) for src in sources]
+    runs: list[list[Place]] = [[] for _ in sources]
+    made: list[tuple[int, memoryview | bytes]] = []
+    at = 0
+    for piece in pieces:
+        n = len(piece)
+        where = _address(piece) if isinstance(piece, memoryview) and n else -1
+        i = next((j for j, (a, size) in enumerate(bounds) if a <= where and where + n <= a + size), None)
+        if i is None:
+            made.append((at, piece))
+        else:
+            runs[i].append((where - bounds[i][0], n, at))
+        at += n
+    return [sorted(r) for r in runs], made
+
+
+def _address(view: memoryview | bytes) -> int:
+    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else -1
+
+
 def added(payload: memoryview, cut: int, n_tokens: int) -> bytes:
     """The state of the cells at positions from `cut` on, cut from a whole one of `n_tokens` tokens (Uncuttable
     where it cannot be: its cells are not the positions 0 to n_tokens - 1, one each)."""
@@ -165,11 +197,22 @@ def added(payload: memoryview, cut: int, n_tokens: int) -> bytes:
 class Segment:
     cut: int  # the KV's tokens from here on are replaced by `tokens`
     tokens: list[int]
-    payload: memoryview  # checked: a sequence state of the cells it adds
+    payload: memoryview  # a sequence state of the cells it adds (its CRC checked by read(), or by read_placed())
+    start: int = 0  # where the segment starts in the deltas file
+    at: int = 0  # where its payload starts there
+    crc: int = 0
 
     @property
     def size(self) -> int:
         return len(self.payload)
+
+
+class Damaged(Exception):
+    """Segment `index`'s payload fails its CRC as it is read: the chain ends before it."""
+
+    def __init__(self, index: int):
+        super().__init__(f"KV delta {index} is damaged")
+        self.index = index
 
 
 def encode(base: str, cut: int, tokens: list[int], payload: bytes) -> bytes:
@@ -194,36 +237,56 @@ def append(path: Path, segment: bytes, valid_end: int) -> None:
         os.close(fd)
 
 
-def read(path: Path, base: str) -> tuple[list[Segment], int, str]:
-    """The segments that follow the base (by its payload digest), each checked (header and payload); the end of the
-    valid ones in the file; why the chain stops before the file's end ("" where it does not)."""
+def read(path: Path, base: str, check_payloads: bool = True) -> tuple[list[Segment], int, str]:
+    """The segments that follow the base (by its payload digest), each checked (header, and payload where
+    `check_payloads`; else the file is mapped, not read, and the payloads' CRCs are read_placed()'s to check); the
+    end of the valid ones in the file; why the chain stops before the file's end ("" where it does not)."""
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data: bytes | mmap.mmap = f.read() if check_payloads or not size else \
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except FileNotFoundError:
         return [], 0, ""
     except OSError as exc:
         return [], 0, f"the KV deltas cannot be read ({exc.strerror})"
     out: list[Segment] = []
     at, view = 0, memoryview(data)
-    for header, payload_at, why in _walk(data):
+    for header, payload_at, why in _walk(view, check_payloads):
         if why:
             return out, at, why
         if header.get("base") != base:  # left from before the base was written again: nothing follows it
             return out, at, "" if not out else "a KV delta of another base"
         size = int(header["payload_size"])
-        out.append(Segment(int(header["cut"]), [int(t) for t in header["tokens"]], view[payload_at:payload_at + size]))
+        out.append(Segment(int(header["cut"]), [int(t) for t in header["tokens"]],
+                           view[payload_at:payload_at + size], at, payload_at, int(header["payload_crc"])))
         at = payload_at + size
     return out, at, ""
 
 
-def _walk(data: bytes) -> Iterator[tuple[dict[str, Any], int, str]]:
+def read_segments(path: Path, segments: list[Segment], places: list[list[Place]], into: memoryview) -> None:
+    """Each segment's payload read from the deltas file where its `places` put it in `into` (in parallel), its CRC
+    checked as it is read: Damaged for the first that fails it."""
+    def one(i: int) -> bool:
+        s = segments[i]
+        (digest,) = read_placed(into, fd, s.at, s.size, places[i], max(s.size, 1), 1, CRC32)
+        return int.from_bytes(digest, "big") == s.crc
+    with path.open("rb") as f:
+        fd = f.fileno()
+        with ThreadPoolExecutor(min(len(segments), 16) or 1) as pool:
+            intact = list(pool.map(one, range(len(segments))))
+    if not all(intact):
+        raise Damaged(intact.index(False))
+
+
+def _walk(data: memoryview, check_payloads: bool) -> Iterator[tuple[dict[str, Any], int, str]]:
     at = 0
     while at < len(data):
         if len(data) - at < _PREFIX.size:
             yield {}, 0, "the last KV delta is torn"
             return
         magic, version, hlen, crc = _PREFIX.unpack_from(data, at)
-        body = data[at + _PREFIX.size:at + _PREFIX.size + hlen]
+        body = bytes(data[at + _PREFIX.size:at + _PREFIX.size + hlen])
         if magic != MAGIC or version != VERSION or hlen > MAX_SEGMENT_HEADER or len(body) != hlen \
                 or zlib.crc32(body) != crc:
             yield {}, 0, "a KV delta's header is torn or damaged"
@@ -236,7 +299,8 @@ def _walk(data: bytes) -> Iterator[tuple[dict[str, Any], int, str]]:
         except (ValueError, KeyError, TypeError):
             yield {}, 0, "a KV delta's header is damaged"
             return
-        if payload_at + size > len(data) or zlib.crc32(data[payload_at:payload_at + size]) != header["payload_crc"]:
+        if payload_at + size > len(data) or \
+                check_payloads and zlib.crc32(data[payload_at:payload_at + size]) != header["payload_crc"]:
             yield {}, 0, "the last KV delta is torn or damaged"
             return
         yield header, payload_at, ""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from localchat.engine.pinned import read_into
+from localchat.engine.pinned import Place, read_placed
 
 MAGIC = b"LCKV"
 VERSION = 2
@@ -214,17 +214,24 @@ def read_payload(path: Path, header: StateHeader, offset: int) -> memoryview:
 def read_payload_into(path: Path, header: StateHeader, offset: int, into: memoryview) -> memoryview:
     """The payload read into `into` (a pinned buffer of its size), after its size and digest are checked:
     read in chunks on a pool of threads, each piece of a chunk hashed as soon as it is read."""
+    read_payload_placed(path, header, offset, [(0, header.payload_size, 0)], into)
+    return into
+
+
+def read_payload_placed(path: Path, header: StateHeader, offset: int, places: list[Place], into: memoryview) -> None:
+    """The payload's runs read where `places` puts them in `into` (the rest only hashed), as read_payload_into
+    reads a whole one: StateRejected where its size or digest is not the header's."""
     hasher = payload_hasher(header)
     try:
         with path.open("rb") as f:
             if os.fstat(f.fileno()).st_size != offset + header.payload_size:
                 raise StateRejected("state payload is truncated")
             chunk = header.payload_chunk or header.payload_size or 1
-            parts = read_into(into, f.fileno(), offset, chunk, min(os.cpu_count() or 1, 16), hasher)
+            parts = read_placed(into, f.fileno(), offset, header.payload_size, places, chunk,
+                                min(os.cpu_count() or 1, 16), hasher)
     except OSError as exc:
         raise StateRejected(f"cannot read the state file: {exc.strerror or exc}") from exc
     whole = hashlib.sha256(b"".join(parts)).hexdigest() if header.payload_chunk else (parts[0].hex() if parts else
                                                                                        hashlib.sha256().hexdigest())
     if whole != header.payload_digest:
         raise StateRejected("state payload fails its checksum (damaged on disk)")
-    return into
