@@ -4,7 +4,6 @@ copying it out for a save, the autosave budget, and the disk cap on all saved st
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import mmap
@@ -236,9 +235,9 @@ class KVDisk:
 
     @contextmanager
     def _laid_out(self, size: int) -> Iterator[memoryview]:
-        """A buffer to lay a state out in: the engine's pinned one where it is free, else fresh pages, huge where
-        the kernel gives them, else faulted in at once (one by one as a copy touched them, they cost more than the
-        copy: 0.45 against 0.07 s for 165 MB here)."""
+        """A buffer to lay a state out in: the engine's pinned one where it is free, else fresh pages faulted in
+        by the kernel at once (one by one as a copy touched them, they cost more than the copy: 0.45 against
+        0.07 s for 165 MB here; huge pages made the first restore of a process 0.8 s slower)."""
         into = self.engine.staged(size)
         if into is not None:
             try:
@@ -246,10 +245,7 @@ class KVDisk:
             finally:
                 self.engine.state_done(into)
             return
-        huge = _huge_pages()
-        with mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0 if huge else POPULATE)) as held:
-            if huge:  # pages of 2 MB, faulted in by the reading threads: 14 against 34 ms for 161 MB here
-                held.madvise(mmap.MADV_HUGEPAGE)
+        with mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | POPULATE) as held:
             target = memoryview(held)
             try:
                 yield target
@@ -418,16 +414,6 @@ def read_saved(path: Path, check_segments: bool = False) -> Saved:
     header, offset = statefile.read_header(path)
     segments, end, torn = kvdelta.read(path_of_deltas(path), header.payload_digest, check_segments)
     return Saved(path, header, offset, segments, end, torn)
-
-
-@functools.cache
-def _huge_pages() -> bool:
-    """Whether the kernel gives transparent huge pages to memory that asks for them."""
-    try:
-        enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return False
-    return hasattr(mmap, "MADV_HUGEPAGE") and ("[always]" in enabled or "[madvise]" in enabled)
 
 
 def _mapped(path: Path, offset: int, size: int) -> memoryview:
