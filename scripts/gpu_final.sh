@@ -12,6 +12,8 @@
 #   bash scripts/gpu_final.sh writes OUTDIR   # build + the 8B shape, scripts/kv_writes.py to ~21,000 tokens, a turn
 #                                               # 3 s after a reply (KVS: q8_0 f16), then (SEED=0: not) the seed
 #                                               # bench's resume (restore or re-prefill chosen)
+#   bash scripts/gpu_final.sh paths OUTDIR    # build + the 8B shape, scripts/turn_paths.py: a natural turn beside
+#                                               # /retry, /undo, the bench's repeat and a resume, traced
 #   bash scripts/gpu_final.sh tools OUTDIR     # build + the 8B shape, bench --tools against llama-server
 #   bash scripts/gpu_final.sh ui OUTDIR        # build + the 8B shape, bench --typing's stage trace against
 #                                               # llama-server (BEFORE=DIR: an older localchat/ there first)
@@ -25,7 +27,7 @@
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-case $PHASE in decode|document|statecost|writes|split|split2|tools|ui|gap34|images) export MODELS=${MODELS:-8b-gqa};; demo|mrope) export MODELS=${MODELS:-tiny};; esac
+case $PHASE in decode|document|statecost|writes|paths|split|split2|tools|ui|gap34|images) export MODELS=${MODELS:-8b-gqa};; demo|mrope) export MODELS=${MODELS:-tiny};; esac
 # one model: the build and it fit with the runs (the demo phase brings its own)
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
@@ -132,6 +134,13 @@ def found(x):
 for r in found(json.load(open(sys.argv[1]))):
     print(json.dumps(r))
 PY
+    ;;
+  paths)  # where a turn after a rewind or a load spends its time, beside a natural turn (f16 and q8_0 KV)
+    for kv in ${KVS:-f16 q8_0}; do
+      timeout 150 python3 scripts/turn_paths.py --profile h200 --model $M/8b-gqa.gguf --kv-type $kv --rounds 5 \
+        --out "$OUT/turn-paths-8b-$kv.json" 2> "$OUT/turn-paths-8b-$kv.err" | tee "$OUT/turn-paths-8b-$kv.txt"
+      echo "turn paths ($kv) at $(( $(date +%s) - t0 )) s"
+    done
     ;;
   gap34)  # plain decode against llama-bench: bench --decode (paired by round), then decode_gap.py's ways at both
           # workloads' depths (where a step's time goes: the raw loop, the token read, the engine's pieces, generate)
