@@ -148,16 +148,6 @@ def merged(sources: list[Cells], cuts: list[int]) -> list[memoryview | bytes]:
     return pieces
 
 
-def laid_out(pieces: list[memoryview | bytes], into: memoryview) -> memoryview:
-    """The pieces copied end to end into `into` (the state's size); one copy, the cost a restore of deltas adds to
-    a whole state's (threads were slower here: the copy is bound by memory, not by a core)."""
-    at = 0
-    for piece in pieces:
-        into[at:at + len(piece)] = piece
-        at += len(piece)
-    return into
-
-
 def placed(pieces: list[memoryview | bytes], sources: list[memoryview]) -> tuple[list[list[Place]],
                                                                              list[tuple[int, memoryview | bytes]]]:
     """Where the pieces of a state laid out come from: per source (a buffer pieces may be views of: a mapped base

@@ -221,9 +221,10 @@ class LiveReply:
             Window(FormattedTextControl(self._toolbar), height=1, style="class:bottom-toolbar"),
         ]), focused_element=typeahead)
         # the reply's redraws are spaced by `_invalidate`; the application's own spacing would hold the first
-        # text back until REDRAW_INTERVAL after the view was first drawn (at Enter): up to 250 ms on screen
+        # text back until REDRAW_INTERVAL after the view was first drawn (at Enter): up to 250 ms on screen, and
+        # its render postponement (while other tasks are ready, up to 10 ms) held each redraw back too
         app: Application = Application(layout=layout, key_bindings=kb, style=STYLE, input=input, output=output,
-                                       erase_when_done=True)
+                                       erase_when_done=True, max_render_postpone_time=None)
         self.app = app
         loop = asyncio.get_running_loop()
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(lambda: app.exit() if app.is_running else None))
