@@ -463,3 +463,27 @@ def test_line_mode_traces_each_turn_to_the_file_named(home, demo_path, tmp_path)
         names = _stage_names(line)
         assert names[:2] == ["key", "turn_start"] and names[-2:] == ["first_token", "first_text"], names
         assert line["prompt_tokens"] == row["prompt_tokens"] and line["new_tokens"] == row["new_tokens"]
+
+
+def test_the_first_words_of_a_reply_are_drawn_at_once_and_later_ones_spaced():
+    """The live view spaces its redraws (REDRAW_INTERVAL) so that drawing does not slow the tokens; the
+    prefill's progress is drawn too, and the reply's first words must not wait for that spacing (they
+    waited up to 250 ms after the last progress frame)."""
+    from localchat.ui.liveview import LiveReply
+
+    class CountingApp:  # stands in for prompt_toolkit's Application: counts the redraws asked for
+        is_running = True
+        redraws = 0
+
+        def invalidate(self) -> None:
+            self.redraws += 1
+
+    live = LiveReply(status.BarState(), lambda: "", rendered=False, show_thoughts=False)
+    app = live.app = CountingApp()  # type: ignore[assignment]
+    live.progress(10, 100)
+    live.progress(50, 100)  # within the interval: not drawn again
+    assert app.redraws == 1
+    live.emit("Hello")
+    assert app.redraws == 2  # at once
+    live.emit(" there")
+    assert app.redraws == 2  # spaced again

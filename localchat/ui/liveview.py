@@ -92,10 +92,11 @@ class LiveReply:
     # the engine's thread calls these
     def emit(self, text: str) -> None:
         TRACE.stamp("first_text")
+        first = not self.reply
         self.reply += text
         self.bar.phase = "generating"
         self.bar.live_tokens += 1
-        self._invalidate()
+        self._invalidate(now=first)  # the first words at once, not when the prefill's progress was last drawn
 
     def think(self, text: str) -> None:
         self.thought += text
@@ -107,11 +108,11 @@ class LiveReply:
         self.bar.progress = (done, total)
         self._invalidate()
 
-    def _invalidate(self) -> None:
+    def _invalidate(self, now: bool = False) -> None:
         # a redraw holds the GIL the generating thread needs: a few per second is enough to read
-        now = time.monotonic()
-        if self.app is not None and self.app.is_running and now - self._drawn >= REDRAW_INTERVAL:
-            self._drawn = now
+        at = time.monotonic()
+        if self.app is not None and self.app.is_running and (now or at - self._drawn >= REDRAW_INTERVAL):
+            self._drawn = at
             self.app.invalidate()
 
     # the view
