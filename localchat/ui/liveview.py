@@ -96,7 +96,7 @@ class LiveReply:
         self.reply += text
         self.bar.phase = "generating"
         self.bar.live_tokens += 1
-        self._invalidate(now=first)  # the first words at once, not when the prefill's progress was last drawn
+        self._invalidate(at_once=first)  # the first words at once, not when the prefill's progress was last drawn
 
     def think(self, text: str) -> None:
         self.thought += text
@@ -108,10 +108,10 @@ class LiveReply:
         self.bar.progress = (done, total)
         self._invalidate()
 
-    def _invalidate(self, now: bool = False) -> None:
+    def _invalidate(self, at_once: bool = False) -> None:
         # a redraw holds the GIL the generating thread needs: a few per second is enough to read
         at = time.monotonic()
-        if self.app is not None and self.app.is_running and (now or at - self._drawn >= REDRAW_INTERVAL):
+        if self.app is not None and self.app.is_running and (at_once or at - self._drawn >= REDRAW_INTERVAL):
             self._drawn = at
             self.app.invalidate()
 
