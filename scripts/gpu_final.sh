@@ -112,7 +112,7 @@ case $PHASE in
     ;;
   writes)  # KV deltas: bytes written against the final state, the restore of base + segments against a whole one
     for kv in ${KVS:-q8_0 f16}; do
-      timeout 280 python3 scripts/kv_writes.py --profile h200 --model $M/8b-gqa.gguf --kv-type $kv --ctx 22528 \
+      timeout 280 python3 -X faulthandler scripts/kv_writes.py --profile h200 --model $M/8b-gqa.gguf --kv-type $kv --ctx 22528 \
         --turns 40 --pause 3 --repeat 5 --out "$OUT/kv-writes-8b-$kv.json" > /dev/null 2> "$OUT/kv-writes-8b-$kv.err"
       echo "kv writes ($kv) at $(( $(date +%s) - t0 )) s"; tail -3 "$OUT/kv-writes-8b-$kv.err"
     done
@@ -137,7 +137,7 @@ PY
     ;;
   paths)  # where a turn after a rewind or a load spends its time, beside a natural turn (f16 and q8_0 KV)
     for kv in ${KVS:-f16 q8_0}; do
-      timeout 150 python3 scripts/turn_paths.py --profile h200 --model $M/8b-gqa.gguf --kv-type $kv --rounds 5 \
+      timeout 150 python3 -X faulthandler scripts/turn_paths.py --profile h200 --model $M/8b-gqa.gguf --kv-type $kv --rounds 5 \
         --out "$OUT/turn-paths-8b-$kv.json" 2> "$OUT/turn-paths-8b-$kv.err" | tee "$OUT/turn-paths-8b-$kv.txt"
       echo "turn paths ($kv) at $(( $(date +%s) - t0 )) s"
     done

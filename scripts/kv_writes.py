@@ -57,15 +57,21 @@ def _rows(stats: Path) -> int:
         return 0
 
 
-def _greedy(engine, tokens: list[int]) -> tuple[int, np.ndarray]:
-    """The next token after `tokens` (the KV holds them all but a probe evaluated here), and the logits."""
+def _greedy(engine, tokens: list[int]) -> tuple[int, np.ndarray | None]:
+    """The greedy token after `tokens` and a probe token (the KV holds `tokens`: the probe alone is evaluated, so
+    two equal KVs give equal logits), and the logits where the host has them (a GPU draws a greedy token in
+    llama.cpp's graph and keeps none)."""
     import llama_cpp as lc
-    probe = tokens + tokens[-1:]
-    engine.prefill(probe)
-    logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(engine.ctx, -1),
-                                   shape=(lc.llama_vocab_n_tokens(engine.vocab),)).copy()
+
+    from localchat.engine import Generation, SamplingConfig
+    engine.prefill(tokens + tokens[-1:])
+    ptr = None if engine.drawn_in_graph else lc.llama_get_logits_ith(engine.ctx, -1)
+    logits = np.ctypeslib.as_array(ptr, shape=(lc.llama_vocab_n_tokens(engine.vocab),)).copy() if ptr else None
+    gen = Generation(tokens=[])
+    for _ in engine.generate(engine.make_sampler(SamplingConfig(temperature=0)), 1, gen):
+        pass
     engine.truncate(len(tokens))
-    return int(logits.argmax()), logits
+    return gen.tokens[0], logits
 
 
 def restores(home: Path, args: argparse.Namespace) -> dict:
@@ -80,6 +86,7 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
     rt = runtime.open_runtime(runtime.load_profile(args.profile, settings), lambda t: None)
     ctl = Session(rt, SessionDir("w"), lambda t: None, autosave=False)
     ctl.resume()
+    print(f"resumed: {ctl.restore_note}", file=sys.stderr, flush=True)  # where a crash on a device happened
     kv, engine = ctl.kv, rt.engine
     tokens = engine.tokens[:engine.n_kv]
     whole_path, chained_path = home / "whole.state", home / "chained.state"
@@ -91,11 +98,12 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
         engine.prefill(tokens[:n]) if part > 4 else engine.truncate(n)
         kv.write_session(chained_path, engine.state_bytes(), tokens[:n])
     chained = read_saved(chained_path)
+    print("whole and chained states written", file=sys.stderr, flush=True)
     live_token, live_logits = _greedy(engine, tokens)  # the KV the chain was cut from, as it is live
     sessions = ctl.store.state  # the chain the chat itself left: its last base and the saves after it
     times: dict[str, list[float]] = {"deltas": [], "whole": [], "session": []}
     next_tokens: dict[str, int] = {}
-    logits: dict[str, np.ndarray] = {}
+    logits: dict[str, np.ndarray | None] = {}
     for _ in range(args.repeat):
         for name, path in (("deltas", chained_path), ("whole", whole_path), ("session", sessions)):
             engine.clear()
@@ -121,8 +129,12 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
             # resume restored (the chain's last half was evaluated again, in other batches: its logits differ a little)
             "next_token": {**next_tokens, "live": live_token},
             "deltas_next_token_is_live": next_tokens["deltas"] == live_token,
-            "logits_max_diff_deltas_live": float(np.abs(logits["deltas"] - live_logits).max()),
-            "logits_max_diff_whole_session": float(np.abs(logits["whole"] - logits["session"]).max())}
+            "logits_max_diff_deltas_live": _diff(logits["deltas"], live_logits),
+            "logits_max_diff_whole_session": _diff(logits["whole"], logits["session"])}
+
+
+def _diff(a: np.ndarray | None, b: np.ndarray | None) -> float | None:
+    return float(np.abs(a - b).max()) if a is not None and b is not None else None
 
 
 def main() -> None:

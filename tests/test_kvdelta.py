@@ -206,3 +206,60 @@ def test_a_restore_reads_the_base_and_segments_straight_to_their_places(home, de
     finally:
         ctl.close()
         rt.close()
+
+
+def test_a_restore_through_the_pinned_buffer_gives_the_live_kv(home, demo_path, monkeypatch):
+    """A CUDA build restores through its pinned buffer: the base and the segments read into it, llama.cpp
+    handed the buffer itself. The same path on the CPU (a host buffer in the pinned buffer's place): the KV it
+    restores gives the live KV's next-token logits, and the buffer is free again after it."""
+    import ctypes
+
+    from localchat import runtime
+    from localchat.engine import pinned
+    from localchat.session.kvdisk import read_saved
+    from localchat.session.lifecycle import Session
+    from localchat.session.sessiondir import SessionDir
+
+    class HostBuffer(pinned.PinnedBuffer):
+        def __init__(self, size: int):
+            self.size, self.array = size, (ctypes.c_uint8 * size)()
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(pinned, "PinnedBuffer", HostBuffer)
+    rt = runtime.open_runtime(runtime.load_profile("cpu", {"model": str(demo_path), "n_ctx": 1024}),
+                              lambda text: None)
+    ctl = Session(rt, SessionDir("q"), lambda text: None, autosave=False)
+    kv, engine = ctl.kv, rt.engine
+    try:
+        tokens = engine.tokenize(STORY * 8, False, False)
+        edited = tokens[:40] + engine.tokenize(" Then a storm came over the hill." * 3, False, False)
+        state = home / "q.state"
+        for keep, now in ((0, tokens[:80]), (80, tokens), (40, edited)):
+            engine.truncate(keep)
+            engine.prefill(now)
+            kv.write_session(state, bytes(engine.state_bytes()), now)
+        probe = edited + engine.tokenize(" The", False, False)
+        engine.prefill(probe)
+        live = last_logits(engine)
+        size = len(engine.state_bytes())
+        engine.clear()
+        engine.staging = pinned.Staging(size * 4)  # larger than the state, as a real one
+        assert engine.staging.wait()
+        lent: list[bool] = []
+        staged = engine.staged
+
+        def staged_once(n: int) -> memoryview | None:
+            view = staged(n)
+            lent.append(view is not None)
+            return view
+        monkeypatch.setattr(engine, "staged", staged_once)
+        assert kv.load_saved(read_saved(state))
+        assert lent == [True] and engine.staging.lend(1) is not None  # laid out in it, and given back
+        engine.staging.give_back()
+        engine.prefill(probe)
+        assert np.allclose(last_logits(engine), live, atol=1e-4)
+    finally:
+        ctl.close()
+        rt.close()
