@@ -90,13 +90,17 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
     kv, engine = ctl.kv, rt.engine
     tokens = engine.tokens[:engine.n_kv]
     whole_path, chained_path = home / "whole.state", home / "chained.state"
-    kv.write(whole_path, engine.state_bytes(), tokens)
+    copy = engine.state_bytes()
+    kv.write(whole_path, copy, tokens)
+    engine.state_done(copy)  # the pinned buffer free again (on a GPU), for the restores below as for a resume
     whole = read_saved(whole_path)
     kv.chain = None  # a chain as a long chat leaves it: a base of half the KV, four saves after it
     for part in (4, 5, 6, 7, 8):
         n = len(tokens) * part // 8
         engine.prefill(tokens[:n]) if part > 4 else engine.truncate(n)
-        kv.write_session(chained_path, engine.state_bytes(), tokens[:n])
+        copy = engine.state_bytes()
+        kv.write_session(chained_path, copy, tokens[:n])
+        engine.state_done(copy)
     chained = read_saved(chained_path)
     print("whole and chained states written", file=sys.stderr, flush=True)
     live_token, live_logits = _greedy(engine, tokens)  # the KV the chain was cut from, as it is live
