@@ -188,9 +188,9 @@ class Segment:
     cut: int  # the KV's tokens from here on are replaced by `tokens`
     tokens: list[int]
     payload: memoryview  # a sequence state of the cells it adds (its CRC checked by read(), or by read_placed())
-    start: int = 0  # where the segment starts in the deltas file
-    at: int = 0  # where its payload starts there
-    crc: int = 0
+    start: int  # where the segment starts in the deltas file
+    at: int  # where its payload starts there
+    crc: int
 
     @property
     def size(self) -> int:

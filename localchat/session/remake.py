@@ -56,8 +56,8 @@ def remake(profile: str, overrides: dict[str, Any], limit: int, report: Callable
     their state (those of a model that is gone wait: their state is refused either way)."""
     done: list[Remade] = []
     by_model: dict[Path, list[SessionDir]] = {}
-    for store in [s for s in pending() if _model_of(s).is_file()][:limit]:
-        by_model.setdefault(_model_of(store), []).append(store)
+    for model, store in [(m, s) for s in pending() if (m := _model_of(s)).is_file()][:limit]:
+        by_model.setdefault(model, []).append(store)
     for model, stores in by_model.items():
         rt = runtime.open_runtime(runtime.load_profile(profile, {**overrides, "model": str(model)}), lambda text: None)
         try:
