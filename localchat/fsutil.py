@@ -110,10 +110,12 @@ def file_sha256(path: Path, cache: Path) -> str:
         while block := f.read(16 << 20):
             digest.update(block)
     value = "sha256:" + digest.hexdigest()
-    known = {**_read_digests(cache), key: value}  # read again: another file may have been hashed meanwhile
     try:
         cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        atomic_write(cache, [json.dumps(known, indent=0).encode()])
+        # locked: a model hashed in the background and a projector hashed at once must not drop each other's entry
+        with held_lock(cache.with_name(cache.name + ".lock")):
+            known = {**_read_digests(cache), key: value}
+            atomic_write(cache, [json.dumps(known, indent=0).encode()])
     except OSError:
         pass  # a read-only home only costs the next run a re-hash
     return value

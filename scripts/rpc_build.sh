@@ -24,7 +24,7 @@ fi
 if [ ! -x "$DIR/bin/ggml-rpc-server" ]; then
   SRC=$(ls -d "$DIR"/src/llama_cpp_python-"$VERSION" 2>/dev/null || true)
   if [ -z "$SRC" ]; then
-    "$DIR/venv/bin/pip" download -q --no-deps --no-binary :all: -d "$DIR/src" "llama-cpp-python==$VERSION"
+    "$DIR/venv/bin/pip" download -q --no-deps --no-binary llama-cpp-python -d "$DIR/src" "llama-cpp-python==$VERSION"
     tar xzf "$DIR/src/llama_cpp_python-$VERSION.tar.gz" -C "$DIR/src"
     SRC="$DIR/src/llama_cpp_python-$VERSION"
   fi

@@ -4,6 +4,8 @@ Speeds are the benchmark's output, not asserted here."""
 from __future__ import annotations
 
 import json
+import statistics
+import sys
 
 from tests.conftest import run_cli
 
@@ -38,6 +40,11 @@ def test_bench_modes_evaluate_the_same_tokens(tmp_path):
     assert resume["chosen"] in ("restore", "re-prefill") and resume["tokens"] > 64
     assert resume["restore_first_token_s"] > resume["load_s"] > 0 and resume["reprefill_first_token_s"] > 0
     assert summary["decode_path_host_overhead_mb"] <= 200  # no n_batch x n_vocab array on the host
+    paths = summary["paths"]  # by the way a turn starts: each after the one before, after a load, after an undo
+    ours = {t: turn("localchat" if t <= 2 else "resume", t)["ttft_s"] for t in (2, 3, 4)}
+    assert paths["natural_ttft_median_s"] == round(statistics.median([ours[2], ours[4]]), 4)  # turn 3: the resume
+    assert paths["resumed_first_turn_over_natural"] == round(ours[3] / statistics.median([ours[2], ours[4]]), 3)
+    assert set(paths["natural_over_raw_per_turn"]) == {"2", "4"} and "last_turn_again_over_natural" in paths
 
 
 def test_decode_bench_measures_drafts_and_load_bench_reads_the_load(tmp_path):
@@ -68,3 +75,50 @@ def test_decode_bench_measures_drafts_and_load_bench_reads_the_load(tmp_path):
     assert load["busy"]["0"]["auto_threads"] == [cores]  # nothing else runs: every core
     assert load["busy"][str(cores)]["auto_threads"] == [1]  # every core busy: one thread, never none
     assert "decode with drafts from the conversation" in r.stdout and "busy background processes" in r.stdout
+
+
+FAKE_SERVER = '''import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+port = int(sys.argv[sys.argv.index("--port") + 1])
+log = open(sys.argv[1], "a")
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        log.write(json.dumps(body) + "\\n"); log.flush()
+        reply = {"content": "x", "timings": {"predicted_n": body["n_predict"], "predicted_ms": 2550.0}}
+        data = json.dumps(reply).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers()
+        self.wfile.write(data)
+    def log_message(self, *args):
+        pass
+HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+def test_decode_bench_at_the_default_sampling_draws_as_llama_server_does(tmp_path):
+    out, requests = tmp_path / "sampled.json", tmp_path / "requests"
+    # no llama-server binary on this machine: a stand-in answering /completion as it does, so what it is asked
+    # (the rendered prompt, the profile's sampler settings, each round's seed) and the pairing are checked
+    fake = tmp_path / "llama-server"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c '{FAKE_SERVER}' {requests} \"$@\"\n")
+    fake.chmod(0o755)
+    r = run_cli(["bench", "--model", "demo", "--decode", "--sampling", "default", "--repeat", "2", "--reply-tokens",
+                 "32", "--json", str(out), "--peer-server", str(fake)], timeout=900)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())["decode_sampled"]
+    assert result["sampling"]["temperature"] == 0.7 and result["reply_tokens"] == 256
+    asked = [json.loads(line) for line in requests.read_text().splitlines()]
+    assert [a["seed"] for a in asked] == [1000, 1001, 1000, 1001]  # each round's own seed, as localchat's
+    for a in asked:
+        assert (a["temperature"], a["top_k"], a["top_p"], a["min_p"]) == (0.7, 40, 0.95, 0.05)
+        assert a["n_predict"] == 256 and not a["cache_prompt"] and not a["stream"]
+    for n, part in enumerate(result["workloads"].values()):
+        assert len(asked[2 * n]["prompt"]) == part["prompt_tokens"] > 20  # the prompt localchat rendered
+        assert part["runs"]["llama-server"] == [255 / 2.55] * 2  # over the tokens after the first
+        for mode in ("off", "auto"):
+            assert part["over_server"][mode] == round(statistics.median(v / 100 for v in part["runs"][mode]), 3)
+            assert all(0 < n <= 256 for n in part["reply_tokens"][mode])
+    assert result["workloads"]["repetitive"]["acceptance"] > 0.5  # the reply quotes the notice: drafts hold
+    assert "decode at the profile's sampling" in r.stdout

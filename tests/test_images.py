@@ -8,12 +8,14 @@ import ctypes
 import json
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from localchat.fsutil import file_sha256
 from tests.conftest import THREADS, make_engine, run_cli
 from tests.mmproj import make_projector
 
@@ -473,3 +475,17 @@ def test_a_projector_differing_only_in_its_middle_gets_its_own_image_cache_entri
     assert encoded == [IMAGE_TOKENS, IMAGE_TOKENS, 0]  # the second has its own entries, and finds them again
     digests = json.loads((home / "fingerprints.json").read_text())  # each hashed once, kept by file identity
     assert sum(str(first) in key or str(second) in key for key in digests) == 2
+
+
+def test_files_hashed_at_once_in_two_threads_both_keep_their_fingerprints(tmp_path):
+    """A model hashed in the background and a projector hashed in the turn write the same digests file."""
+    files = []
+    for n in range(8):
+        files.append(tmp_path / f"f{n}.gguf")
+        files[-1].write_bytes(bytes([n]) * 4096)
+    cache = tmp_path / "fingerprints.json"
+    with ThreadPoolExecutor(8) as pool:
+        digests = list(pool.map(lambda f: file_sha256(f, cache), files))
+    assert len(set(digests)) == 8
+    kept = json.loads(cache.read_text())
+    assert all(any(str(f) in key for key in kept) for f in files)

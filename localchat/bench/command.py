@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from localchat import runtime
-from localchat.bench.modes import Row, repeat_last_turn, run_localchat, run_raw, run_recompute, run_server, text_of
+from localchat.bench.modes import Peers, Row, repeat_last_turn, run_localchat, run_recompute, text_of
 from localchat.bench.peer import PeerServer, run_llama_bench
 from localchat.engine import llama_version
+from localchat.errors import UsageError
 from localchat.options import overrides, profile_args
 from localchat.settings import Profile
 
@@ -71,6 +72,34 @@ def summarize(result: dict) -> list[str]:
     return lines
 
 
+def _paths(rows: list[Row], turns: int) -> dict:
+    """TTFT by the way a turn starts, localchat over each peer replaying the same turn just after it: the natural
+    flow (turns 2 on, each after the one before; medians of the per-turn ratios), the resumed session's first
+    turn (a load), the last turn again (an undo and a new message: a rewind; medians of the repeats)."""
+    resumed = turns // 2 + 1
+    natural_turns = [t for t in range(2, turns + 1) if t != resumed]
+    out: dict[str, Any] = {}
+    ours = {r.turn: r.ttft_s for r in rows if r.mode in ("localchat", "resume") and not r.repeat}
+    again = [r.ttft_s for r in rows if r.mode == "resume" and r.repeat]
+    natural = _median([ours[t] for t in natural_turns if t in ours])
+    out["natural_ttft_median_s"] = round(natural, 4)
+    if natural and resumed in ours:
+        out["resumed_first_turn_over_natural"] = round(ours[resumed] / natural, 3)
+    if natural and again:
+        out["last_turn_again_over_natural"] = round(_median(again) / natural, 3)
+    for peer in ("raw", "server"):
+        theirs = {r.turn: r.ttft_s for r in _by(rows, peer)}
+        if not theirs:
+            continue
+        ratios = [ours[t] / theirs[t] for t in natural_turns if t in ours and theirs.get(t)]
+        out[f"natural_over_{peer}"] = round(_median(ratios), 3) if ratios else None
+        out[f"natural_over_{peer}_per_turn"] = {t: round(ours[t] / theirs[t], 3) for t in natural_turns
+                                                if t in ours and theirs.get(t)}
+        if theirs.get(resumed) and resumed in ours:
+            out[f"resumed_first_turn_over_{peer}"] = round(ours[resumed] / theirs[resumed], 3)
+    return out
+
+
 def _summary(rows: list[Row], res: dict, turns: int) -> dict:
     def last(mode: str) -> list[Row]:
         """Every sample of the last turn: the run's own and its interleaved repeats."""
@@ -91,6 +120,7 @@ def _summary(rows: list[Row], res: dict, turns: int) -> dict:
     if srv and ours:
         out["ttft_localchat_over_server"] = round(ttft["localchat"] / ttft["server"], 3)
     out["decode_last_turn_median_tps"] = round(_median([r.decode_tps for r in ours]), 2)
+    out["paths"] = _paths(rows, turns)
     ours_rows = [r for r in rows if r.mode in ("localchat", "resume") and not r.repeat]
     out["recomputed_total"] = {m: sum(r.recomputed_tokens for r in _by(rows, m))
                                for m in ("recompute", "localchat", "resume", "raw", "server") if _by(rows, m)}
@@ -103,45 +133,29 @@ def _summary(rows: list[Row], res: dict, turns: int) -> dict:
 
 
 def run_kv(args, profile, home: Path, kv: str, progress, result: dict) -> dict:
-    """Every mode for one KV type. The peers stay loaded beside localchat (a second and a third
-    copy of the model) so that the last turn's repeats can interleave them."""
-    peer_errors = []
+    """Every mode for one KV type. The peers stay loaded beside localchat (a second and a third copy of the
+    model): each replays every turn right after localchat's, and the last turn's repeats interleave them."""
     with contextlib.ExitStack() as stack:
         rt = runtime.open_runtime(profile, _report)
         stack.callback(rt.close)
         rt.chat.set_system(text_of(rt.engine, args.system_tokens, "system"), cause="")
         users = [text_of(rt.engine, args.user_tokens, f"question {i}") for i in range(args.turns)]
-        res = run_localchat(rt, args, users, home, kv, progress)
+        cfg = rt.engine.config
+        peers = _start_peers(args, cfg, stack, kv, progress)
+        res = run_localchat(rt, args, users, home, kv, progress, peers)
         prompts, replies = res["prompts"], res["replies"]
         ram: dict = {}
-        rows = res["rows"] + run_recompute(rt.engine, prompts, replies, kv, progress, ram)
-        cfg = rt.engine.config
+        rows = res["rows"] + peers.rows + run_recompute(rt.engine, prompts, replies, kv, progress, ram)
         result.setdefault("machine", {"model": rt.model.name, "profile": profile.name, "n_ctx": rt.engine.n_ctx,
                                       "n_gpu_layers": cfg.n_gpu_layers, "threads": cfg.threads(),
                                       "flash_attn": cfg.flash_attn, "cpu_count": os.cpu_count()})
-        raw = server = None
-        if not args.no_raw:
-            from localchat.bench.rawbaseline import RawLlama
-            try:
-                raw = RawLlama(cfg)
-                stack.callback(raw.close)
-                rows += run_raw(raw, prompts, replies, kv, progress)
-            except (ValueError, RuntimeError) as exc:  # no room for a second copy of the model
-                peer_errors.append(f"raw llama-cpp-python: {exc}")
-                raw = None
-        if args.peer_server:
-            try:
-                server = stack.enter_context(PeerServer(args.peer_server, cfg))
-                rows += run_server(server, prompts, replies, kv, progress)
-            except (OSError, RuntimeError, ValueError) as exc:  # the peer failing must not lose our figures
-                peer_errors.append(f"llama-server: {exc}")
-                server = None
         if args.repeat:
-            rows += repeat_last_turn(rt, users[-1], prompts, replies, raw, server, kv, args.repeat, progress)
+            rows += repeat_last_turn(rt, users[-1], prompts, replies, peers.raw, peers.server, kv, args.repeat,
+                                     progress)
     part: dict[str, Any] = {"rows": [asdict(r) for r in rows], "summary": _summary(rows, res, args.turns)}
     part["summary"].update(ram)
-    if peer_errors:
-        part["summary"]["peer_error"] = "; ".join(peer_errors)
+    if peers.errors:
+        part["summary"]["peer_error"] = "; ".join(peers.errors)
     if args.llama_bench:
         depth = len(prompts[-1])
         ours = part["summary"]["decode_last_turn_median_tps"]
@@ -152,6 +166,25 @@ def run_kv(args, profile, home: Path, kv: str, progress, result: dict) -> dict:
         except (OSError, RuntimeError, ValueError, KeyError, IndexError) as exc:
             part["summary"]["llama_bench"] = {"error": str(exc)}
     return part
+
+
+def _start_peers(args, cfg, stack: contextlib.ExitStack, kv: str, progress) -> Peers:
+    """Plain llama-cpp-python (unless --no-raw) and llama-server (with --peer-server), loaded beside localchat;
+    one that cannot start is left out, said in the summary."""
+    peers = Peers(None, None, kv, progress)
+    if not args.no_raw:
+        from localchat.bench.rawbaseline import RawLlama
+        try:
+            peers.raw = RawLlama(cfg)
+            stack.callback(peers.raw.close)
+        except (ValueError, RuntimeError) as exc:  # no room for a second copy of the model
+            peers.errors.append(f"raw llama-cpp-python: {exc}")
+    if args.peer_server:
+        try:
+            peers.server = stack.enter_context(PeerServer(args.peer_server, cfg))
+        except (OSError, RuntimeError, ValueError) as exc:
+            peers.errors.append(f"llama-server: {exc}")
+    return peers
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -180,6 +213,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--answer-tokens", type=int, default=100)
     p.add_argument("--decode", action="store_true",
                    help="decode speed with drafts from the conversation (off, auto, on), repetitive and not")
+    p.add_argument("--sampling", choices=("greedy", "default"), default="greedy",
+                   help="--decode: greedy (against llama-bench) or the profile's default sampling, drafts off and "
+                        "auto, against --peer-server at the same settings")
     p.add_argument("--load", action="store_true",
                    help="decode speed beside 0, 1 and N busy processes: auto threads against each fixed count")
     p.add_argument("--tools", action="store_true",
@@ -324,14 +360,20 @@ def _idle_benches(args: argparse.Namespace) -> int:
 
 def _decode_benches(args: argparse.Namespace) -> int:
     """--decode, --load, --document (benchdecode, benchload, benchdoc): JSON to --json, a summary to stdout."""
-    from localchat.bench import decode, document, load
+    from localchat.bench import decode, document, load, sampled
     o = overrides(args)
     if args.document:
         o.update(temperature=0.0, max_tokens=args.reply_tokens, n_ctx=o.get("n_ctx") or args.document + 1024)
     profile = runtime.load_profile(args.profile, o)
     result: dict[str, Any] = {"versions": {"llama_cpp_python": llama_version()}, "cpu_count": os.cpu_count()}
     lines: list[str] = []
-    if args.decode:
+    if args.decode and args.sampling == "default":
+        if not args.peer_server:
+            raise UsageError("--sampling default compares with llama-server: give --peer-server PATH")
+        result["decode_sampled"] = sampled.run_sampled(profile, args.repeat or 5, max(args.reply_tokens, 256),
+                                                       _report, args.peer_server)
+        lines += sampled.summary(result["decode_sampled"])
+    elif args.decode:
         result["decode"] = decode.run_decode(profile, args.repeat or 3, max(args.reply_tokens, 256), _report,
                                                   args.llama_bench)
         lines += decode.summary(result["decode"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -16,6 +17,9 @@ from localchat.engine import Engine, Generation, PrefillResult, SamplingConfig
 from localchat.session.kvdisk import read_saved
 from localchat.session.lifecycle import Session
 from localchat.session.sessiondir import SessionDir
+
+if TYPE_CHECKING:  # its module loads llama-cpp-python's high-level API: only where the raw mode runs
+    from localchat.bench.rawbaseline import RawLlama
 
 FILLER = ("The history of bread begins with wild grains ground on stones, baked on hot ashes, and shared "
           "among families who learned that a little old dough makes the next loaf rise. ")
@@ -47,8 +51,10 @@ def _anon_rss() -> int:
     return m.rss - m.shared
 
 
-def run_localchat(rt: runtime.Runtime, args, users: list[str], home: Path, kv: str, progress) -> dict:
-    """The real engine path with autosave on; records every prompt for the other modes."""
+def run_localchat(rt: runtime.Runtime, args, users: list[str], home: Path, kv: str, progress,
+                  peers: Peers | None = None) -> dict:
+    """The real engine path with autosave on; records every prompt for the other modes. `peers` replay each
+    turn right after it (the machine's drift over minutes falls on every mode alike), once its save is written."""
     store = SessionDir(f"bench-{kv}", home / "sessions")
     store.lock()
     ctl = Session(rt, store, lambda t: None, autosave=True)
@@ -71,6 +77,9 @@ def run_localchat(rt: runtime.Runtime, args, users: list[str], home: Path, kv: s
                         st.ttft_s, st.prefill_s, st.decode_tps, wall, st.save_s))
         peak = max(peak, _anon_rss())
         progress(f"localchat {kv} turn {i}")
+        if peers is not None:
+            ctl.writer.wait()
+            peers.replay(i, prompts[-1], replies[-1])
     ctl.writer.wait()
     state_size = store.state.stat().st_size
     ctl.close()
@@ -150,23 +159,33 @@ def run_recompute(engine: Engine, prompts: list[list[int]], replies: list[list[i
     return rows
 
 
-def run_raw(raw, prompts: list[list[int]], replies: list[list[int]], kv: str, progress) -> list[Row]:
-    rows = []
-    for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
-        ttft, tps, evaluated = raw.turn(prompt, n)
-        rows.append(Row("raw", kv, i, len(prompt), evaluated, ttft, 0.0, tps))
-        progress(f"raw llama-cpp-python {kv} turn {i}")
-    return rows
+class Peers:
+    """Plain llama-cpp-python (`raw`) and llama-server, each replaying localchat's turns with its own cache; a
+    peer that fails is dropped, its error kept (the peer failing must not lose our figures)."""
 
+    def __init__(self, raw: RawLlama | None, server: PeerServer | None, kv: str, progress) -> None:
+        self.raw, self.server, self.kv, self.progress = raw, server, kv, progress
+        self.rows: list[Row] = []
+        self.errors: list[str] = []
 
-def run_server(server: PeerServer, prompts, replies, kv: str, progress) -> list[Row]:
-    rows = []
-    for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
-        r = server.completion(prompt, max(len(n), 1))
-        rows.append(Row("server", kv, i, len(prompt), r["prompt_n"], r["ttft_s"], r["prompt_ms"] / 1000,
-                        r["decode_tps"]))
-        progress(f"llama-server {kv} turn {i}")
-    return rows
+    def replay(self, i: int, prompt: list[int], reply: list[int]) -> None:
+        if self.raw is not None:
+            try:
+                ttft, tps, evaluated = self.raw.turn(prompt, reply)
+                self.rows.append(Row("raw", self.kv, i, len(prompt), evaluated, ttft, 0.0, tps))
+                self.progress(f"raw llama-cpp-python {self.kv} turn {i}")
+            except (ValueError, RuntimeError) as exc:
+                self.errors.append(f"raw llama-cpp-python: {exc}")
+                self.raw = None
+        if self.server is not None:
+            try:
+                r = self.server.completion(prompt, max(len(reply), 1))
+                self.rows.append(Row("server", self.kv, i, len(prompt), r["prompt_n"], r["ttft_s"],
+                                     r["prompt_ms"] / 1000, r["decode_tps"]))
+                self.progress(f"llama-server {self.kv} turn {i}")
+            except (OSError, RuntimeError, ValueError) as exc:
+                self.errors.append(f"llama-server: {exc}")
+                self.server = None
 
 
 def repeat_last_turn(rt: runtime.Runtime, last_text: str, prompts: list[list[int]], replies: list[list[int]],

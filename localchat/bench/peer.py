@@ -89,6 +89,21 @@ class PeerServer:
                 "prompt_ms": float(timings.get("prompt_ms", 0.0)),
                 "decode_tps": float(timings.get("predicted_per_second", 0.0))}
 
+    def sampled(self, prompt: list[int], n_predict: int, sampling: dict) -> dict:
+        """A completion at these sampler settings, not streamed (no per-token HTTP in its decode): its decode
+        rate from its own timings, over the steps after the first token as localchat's (n - 1 tokens)."""
+        body = json.dumps({"prompt": prompt, "n_predict": n_predict, "cache_prompt": False, "stream": False,
+                           **sampling}).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = json.loads(resp.read() or b"{}")
+        conn.close()
+        if resp.status != 200:
+            raise RuntimeError(f"llama-server answered {resp.status}: {str(data)[:300]}")
+        timings = data.get("timings", {})
+        n, ms = int(timings.get("predicted_n", 0)), float(timings.get("predicted_ms", 0.0))
+        return {"tokens": n, "decode_tps": (n - 1) / ms * 1000 if n > 1 and ms > 0 else 0.0}
 
     def erase(self) -> None:
         """Empty the slot's cache: the next request starts cold."""
