@@ -15,6 +15,10 @@
 #   bash scripts/gpu_final.sh paths OUTDIR    # build + the 8B shape, scripts/turn_paths.py: a natural turn beside
 #                                               # /retry, /undo, the bench's repeat and a resume, traced
 #   bash scripts/gpu_final.sh tools OUTDIR     # build + the 8B shape, bench --tools against llama-server
+#   bash scripts/gpu_final.sh sampled OUTDIR   # build + the 8B shape, bench --decode --sampling default against
+#                                               # llama-server at the same sampler settings, 5 paired rounds
+#   bash scripts/gpu_final.sh seed OUTDIR      # build + the 8B shape, the seed bench against llama-server (KVS: f16
+#                                               # q8_0), each turn replayed by the peers right after it, 5 repeats
 #   bash scripts/gpu_final.sh ui OUTDIR        # build + the 8B shape, bench --typing's stage trace against
 #                                               # llama-server (BEFORE=DIR: an older localchat/ there first)
 #   bash scripts/gpu_final.sh gap34 OUTDIR     # the 8B shape: bench --decode against llama-bench (its first step
@@ -27,7 +31,7 @@
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-case $PHASE in decode|document|statecost|writes|paths|split|split2|tools|ui|gap34|images) export MODELS=${MODELS:-8b-gqa};; demo|mrope) export MODELS=${MODELS:-tiny};; esac
+case $PHASE in decode|document|statecost|writes|paths|split|split2|tools|ui|gap34|images|sampled|seed) export MODELS=${MODELS:-8b-gqa};; demo|mrope) export MODELS=${MODELS:-tiny};; esac
 # one model: the build and it fit with the runs (the demo phase brings its own)
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
@@ -134,6 +138,19 @@ def found(x):
 for r in found(json.load(open(sys.argv[1]))):
     print(json.dumps(r))
 PY
+    ;;
+  sampled)  # decode at the profile's sampling, drafts off and auto, against llama-server at the same settings
+    timeout 300 python3 -m localchat bench --decode --sampling default --profile h200 --model $M/8b-gqa.gguf \
+      --repeat 5 --peer-server $B/llama-server --json "$OUT/sampled-8b.json" 2> "$OUT/sampled-8b.err" \
+      | tee "$OUT/sampled-8b.txt"
+    echo "sampled decode at $(( $(date +%s) - t0 )) s"
+    ;;
+  seed)  # the seed workload: natural turns, the resumed first turn and the last turn again, against llama-server
+    for kv in ${KVS:-f16 q8_0}; do
+      timeout 200 python3 -m localchat bench --profile h200 --model $M/8b-gqa.gguf --kv $kv --repeat 5 \
+        --peer-server $B/llama-server --json "$OUT/seed-8b-$kv.json" > "$OUT/seed-8b-$kv.txt" 2> "$OUT/seed-8b-$kv.err"
+      echo "seed bench ($kv) at $(( $(date +%s) - t0 )) s"
+    done
     ;;
   paths)  # where a turn after a rewind or a load spends its time, beside a natural turn (f16 and q8_0 KV)
     for kv in ${KVS:-f16 q8_0}; do

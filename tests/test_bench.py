@@ -114,6 +114,7 @@ def test_decode_bench_at_the_default_sampling_draws_as_llama_server_does(tmp_pat
     for a in asked:
         assert (a["temperature"], a["top_k"], a["top_p"], a["min_p"]) == (0.7, 40, 0.95, 0.05)
         assert a["n_predict"] == 256 and not a["cache_prompt"] and not a["stream"]
+        assert a["dry_penalty_last_n"] >= 0  # llama-server's API refuses -1 (the whole context)
     for n, part in enumerate(result["workloads"].values()):
         assert len(asked[2 * n]["prompt"]) == part["prompt_tokens"] > 20  # the prompt localchat rendered
         assert part["runs"]["llama-server"] == [255 / 2.55] * 2  # over the tokens after the first

@@ -21,6 +21,7 @@ from localchat.session.sessiondir import SessionDir
 if TYPE_CHECKING:  # its module loads llama-cpp-python's high-level API: only where the raw mode runs
     from localchat.bench.rawbaseline import RawLlama
 
+LOAD_WINDOW_S = 0.3  # a user's moment between turns, as the idle time's readings (every 0.5 s) see it
 FILLER = ("The history of bread begins with wild grains ground on stones, baked on hot ashes, and shared "
           "among families who learned that a little old dough makes the next loaf rise. ")
 
@@ -38,6 +39,7 @@ class Row:
     wall_s: float = 0.0
     save_s: float = 0.0
     repeat: int = 0  # 0: the run itself; k: the k-th interleaved repeat of the last turn
+    threads: int = 0  # localchat's prompt threads for the turn (auto: what the load left free)
 
 
 def text_of(engine: Engine, n_tokens: int, salt: str) -> str:
@@ -66,6 +68,7 @@ def run_localchat(rt: runtime.Runtime, args, users: list[str], home: Path, kv: s
         if i == args.turns // 2 + 1:
             ctl.writer.wait()
             resume = _resume(rt, ctl, store)
+        read_load_now(rt)
         t0 = time.perf_counter()
         st = ctl.turn(text)
         window = ctl.chat.conv.window_tokens()
@@ -74,7 +77,7 @@ def run_localchat(rt: runtime.Runtime, args, users: list[str], home: Path, kv: s
         ctl.after_turn(st)
         wall = time.perf_counter() - t0
         rows.append(Row("resume" if resume else "localchat", kv, i, st.prompt_tokens, st.recomputed_tokens,
-                        st.ttft_s, st.prefill_s, st.decode_tps, wall, st.save_s))
+                        st.ttft_s, st.prefill_s, st.decode_tps, wall, st.save_s, threads=st.decode.threads_batch or 0))
         peak = max(peak, _anon_rss())
         progress(f"localchat {kv} turn {i}")
         if peers is not None:
@@ -85,6 +88,14 @@ def run_localchat(rt: runtime.Runtime, args, users: list[str], home: Path, kv: s
     ctl.close()
     return {"rows": rows, "prompts": prompts, "replies": replies, "resume": resume, "state_bytes": state_size,
             "host_overhead_bytes": peak - rss0}
+
+
+def read_load_now(rt: runtime.Runtime) -> None:
+    """The load other processes put on the machine read over the last moment, as the terminal UI's idle time
+    reads it while the user reads and types: with auto threads, a window spanning the peers' replay of the turn
+    before would count their work as load now and leave localchat one thread on two cores."""
+    rt.refit_threads()  # closes the window that held the peers' work
+    rt.refit_threads(min_window=LOAD_WINDOW_S)
 
 
 def _first_token(engine: Engine, tokens: list[int], t0: float, sampler) -> tuple[PrefillResult, float]:
@@ -201,9 +212,10 @@ def repeat_last_turn(rt: runtime.Runtime, last_text: str, prompts: list[list[int
     for k in range(1, rounds + 1):
         engine.prefill(before)  # the state after the previous turn (later rounds: a rewind of what recompute left)
         chat.ahead.warm_next_head()  # as after_turn does once a reply has been shown
+        read_load_now(rt)
         st = chat.turn(last_text)
         rows.append(Row("resume", kv, len(prompts), st.prompt_tokens, st.recomputed_tokens, st.ttft_s, st.prefill_s,
-                        st.decode_tps, repeat=k))
+                        st.decode_tps, repeat=k, threads=engine.threads[1]))
         chat.undo()
         progress(f"last turn again {k}/{rounds}: localchat {kv}")
         engine.clear()

@@ -25,13 +25,14 @@ from localchat.settings import Profile
 MODES = ("off", "auto", "llama-server")
 
 
-def server_sampling(s: SamplingConfig) -> dict[str, Any]:
-    """llama-server's /completion fields for localchat's sampler settings (its sampler order is the same)."""
+def server_sampling(s: SamplingConfig, n_ctx: int) -> dict[str, Any]:
+    """llama-server's /completion fields for localchat's sampler settings (its sampler order is the same; its API
+    takes the whole context as its size, not -1)."""
     return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
             "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n, "dry_multiplier": s.dry_multiplier,
             "dry_base": s.dry_base, "dry_allowed_length": s.dry_allowed_length,
-            "dry_penalty_last_n": s.dry_penalty_last_n, "seed": s.seed, "typical_p": 1.0, "xtc_probability": 0.0,
-            "top_n_sigma": -1.0}
+            "dry_penalty_last_n": n_ctx if s.dry_penalty_last_n < 0 else s.dry_penalty_last_n, "seed": s.seed,
+            "typical_p": 1.0, "xtc_probability": 0.0, "top_n_sigma": -1.0}
 
 
 def run_sampled(profile: Profile, repeat: int, reply_tokens: int, report: Callable[[str], None],
@@ -57,7 +58,8 @@ def _rounds(rt: runtime.Runtime, peer: PeerServer, sampling: SamplingConfig, tex
         for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:  # the machine's drift falls on each mode
             report(f"bench --decode --sampling default: {name}, {mode}, round {r + 1}/{repeat}")
             if mode == "llama-server":
-                got = peer.sampled(prompt or _prompt(rt, seeded, text), reply_tokens, server_sampling(seeded))
+                got = peer.sampled(prompt or _prompt(rt, seeded, text), reply_tokens,
+                                   server_sampling(seeded, rt.engine.n_ctx))
                 rates[mode].append(got["decode_tps"])
                 lengths[mode].append(got["tokens"])
                 continue
