@@ -465,6 +465,26 @@ def test_line_mode_traces_each_turn_to_the_file_named(home, demo_path, tmp_path)
         assert line["prompt_tokens"] == row["prompt_tokens"] and line["new_tokens"] == row["new_tokens"]
 
 
+def test_the_live_view_is_built_once_and_shows_every_reply(ui, monkeypatch):
+    """Building the live view's application at Enter (5-13 ms on the 2-core VM) held the first words back."""
+    from prompt_toolkit.application import Application
+
+    built, init = [], Application.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Application, "__init__", counted)
+    screen = ui.repl.screen.app
+    first = ui.say("Hello there")
+    ui.repl.typeahead.text = "left from the last reply"  # each reply's type-ahead line starts empty
+    second = ui.say("Tell me a fact")
+    assert built == [] and ui.repl.screen.app is screen  # no application made at Enter
+    assert first["reply_tokens"] > 0 and second["reply_tokens"] > 0 and ui.repl.reply  # shown and printed
+    assert ui.repl.typeahead.text == ""
+
+
 def test_the_first_words_of_a_reply_are_drawn_at_once_and_later_ones_spaced():
     """The live view spaces its redraws (REDRAW_INTERVAL) so that drawing does not slow the tokens; the
     prefill's progress is drawn too, and the reply's first words must not wait for that spacing (they
@@ -478,7 +498,7 @@ def test_the_first_words_of_a_reply_are_drawn_at_once_and_later_ones_spaced():
         def invalidate(self) -> None:
             self.redraws += 1
 
-    live = LiveReply(status.BarState(), lambda: "", rendered=False, show_thoughts=False)
+    live = LiveReply(status.BarState(), rendered=False, show_thoughts=False)
     app = live.app = CountingApp()  # type: ignore[assignment]
     live.progress(10, 100)
     live.progress(50, 100)  # within the interval: not drawn again

@@ -78,9 +78,8 @@ def _tail_rows(fragments: StyleAndTextTuples, rows: int) -> StyleAndTextTuples:
 class LiveReply:
     """One streaming reply: the callbacks the engine's thread calls, and the view they feed."""
 
-    def __init__(self, bar: BarState, toolbar: Callable[[], Any], rendered: bool, show_thoughts: bool,
-                 asking: approval.Asking | None = None):
-        self.bar, self._toolbar, self.rendered, self.show_thoughts = bar, toolbar, rendered, show_thoughts
+    def __init__(self, bar: BarState, rendered: bool, show_thoughts: bool, asking: approval.Asking | None = None):
+        self.bar, self.rendered, self.show_thoughts = bar, rendered, show_thoughts
         self.asking = asking  # a tool call waiting for the user's answer (the call itself is printed above)
         self.reply = self.thought = ""
         self.thought_pieces = 0
@@ -155,32 +154,6 @@ class LiveReply:
         out.append((markdown(self.reply) if self.rendered and self.reply.strip() else [("", self.reply)], ""))
         return out
 
-    def _approval_keys(self, kb: KeyBindings, typeahead: Buffer) -> None:
-        """While a tool call waits: o, a, d answer; e puts its arguments in the input line as JSON; every
-        other key is swallowed (typing that went on cannot reach the input line, and then Enter), and a
-        key answers only after a moment without keys (`Asking.key`)."""
-        asking = self.asking
-        if asking is None:
-            return
-        waiting = Condition(lambda: asking.request is not None and not asking.editing)
-
-        def answer(verdict: str) -> None:
-            if asking.key():
-                asking.answer(verdict)
-
-        for key, verdict in approval.KEYS.items():
-            kb.add(key, filter=waiting)(lambda event, verdict=verdict: answer(verdict))
-        kb.add("<any>", filter=waiting)(lambda event: asking.key())
-        kb.add("enter", filter=waiting)(lambda event: asking.key())
-
-        @kb.add("e", filter=waiting)
-        def _(event: Any) -> None:
-            request = asking.request
-            if asking.key() and request is not None and not any(request.budget):
-                asking.editing = True
-                typeahead.text = json.dumps(request.arguments, ensure_ascii=False)
-                typeahead.cursor_position = len(typeahead.text)
-
     def ask(self, print_above: Callable[[str], None], request: approval.Request) -> None:
         """The engine's thread asks about a call: printed whole above the live view, the keys in it."""
         app, text = self.app, approval.describe(request)
@@ -191,19 +164,53 @@ class LiveReply:
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(run_in_terminal(lambda: print_above(text))))
         loop.call_soon_threadsafe(app.invalidate)
 
-    async def run(self, future: Future, typeahead: Buffer, cancel: Callable[[], None], input: Input | None,
-                  output: Output | None) -> None:
-        """Show the view until `future` is done; Ctrl-C (or Ctrl-D) calls `cancel`."""
+
+def _approval_keys(kb: KeyBindings, typeahead: Buffer, asking: approval.Asking | None) -> None:
+    """While a tool call waits: o, a, d answer; e puts its arguments in the input line as JSON; every
+    other key is swallowed (typing that went on cannot reach the input line, and then Enter), and a
+    key answers only after a moment without keys (`Asking.key`)."""
+    if asking is None:
+        return
+    waiting = Condition(lambda: asking.request is not None and not asking.editing)
+
+    def answer(verdict: str) -> None:
+        if asking.key():
+            asking.answer(verdict)
+
+    for key, verdict in approval.KEYS.items():
+        kb.add(key, filter=waiting)(lambda event, verdict=verdict: answer(verdict))
+    kb.add("<any>", filter=waiting)(lambda event: asking.key())
+    kb.add("enter", filter=waiting)(lambda event: asking.key())
+
+    @kb.add("e", filter=waiting)
+    def _(event: Any) -> None:
+        request = asking.request
+        if asking.key() and request is not None and not any(request.budget):
+            asking.editing = True
+            typeahead.text = json.dumps(request.arguments, ensure_ascii=False)
+            typeahead.cursor_position = len(typeahead.text)
+
+
+class LiveScreen:
+    """The live view's application, built once and run for each reply: building one (its key bindings, its
+    layout, the defaults prompt_toolkit merges in) took 5-13 ms on the 2-core VM, at Enter, before the first
+    words could be drawn; running a built one draws its first frame in under a millisecond."""
+
+    def __init__(self, typeahead: Buffer, toolbar: Callable[[], Any], asking: approval.Asking | None,
+                 input: Input | None, output: Output | None):
+        self.reply: LiveReply | None = None  # the reply being shown
+        self.cancel: Callable[[], None] = lambda: None
         kb = KeyBindings()
 
         @kb.add("c-c")
         def _(event: Any) -> None:
-            cancel()
-            self.bar.notice = "stopping..."
+            self.cancel()
+            if self.reply is not None:
+                self.reply.bar.notice = "stopping..."
 
         @kb.add("c-d")
         def _(event: Any) -> None:
-            cancel()
+            self.cancel()
 
         @kb.add("escape", "enter")
         def _(event: Any) -> None:
@@ -211,23 +218,29 @@ class LiveReply:
 
         @kb.add("c-t")
         def _(event: Any) -> None:  # show or fold the thoughts
-            self.show_thoughts = not self.show_thoughts
+            if self.reply is not None:
+                self.reply.show_thoughts = not self.reply.show_thoughts
 
-        self._approval_keys(kb, typeahead)
-
+        _approval_keys(kb, typeahead, asking)
         layout = Layout(HSplit([
-            Window(FormattedTextControl(lambda: FormattedText(self.view())), wrap_lines=True,
-                   height=Dimension(max=LIVE_ROWS)),
+            Window(FormattedTextControl(lambda: FormattedText(self.reply.view() if self.reply else [])),
+                   wrap_lines=True, height=Dimension(max=LIVE_ROWS)),
             Window(BufferControl(typeahead), height=1),
-            Window(FormattedTextControl(self._toolbar), height=1, style="class:bottom-toolbar"),
+            Window(FormattedTextControl(toolbar), height=1, style="class:bottom-toolbar"),
         ]), focused_element=typeahead)
         # the reply's redraws are spaced by `_invalidate`; the application's own spacing would hold the first
         # text back until REDRAW_INTERVAL after the view was first drawn (at Enter): up to 250 ms on screen, and
         # its render postponement (while other tasks are ready, up to 10 ms) held each redraw back too
-        app: Application = Application(layout=layout, key_bindings=kb, style=STYLE, input=input, output=output,
-                                       erase_when_done=True, max_render_postpone_time=None)
-        self.app = app
+        self.app: Application = Application(layout=layout, key_bindings=kb, style=STYLE, input=input, output=output,
+                                            erase_when_done=True, max_render_postpone_time=None)
+
+    async def run(self, reply: LiveReply, future: Future, cancel: Callable[[], None]) -> None:
+        """Show `reply` until `future` is done; Ctrl-C (or Ctrl-D) calls `cancel`."""
+        app = self.app
+        self.reply, self.cancel, reply.app = reply, cancel, app
         loop = asyncio.get_running_loop()
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(lambda: app.exit() if app.is_running else None))
-        await app.run_async(pre_run=lambda: app.exit() if future.done() else None)
-        self.app = None
+        try:
+            await app.run_async(pre_run=lambda: app.exit() if future.done() else None)
+        finally:
+            reply.app = None

@@ -36,7 +36,7 @@ from localchat.host.host import Host
 from localchat.session.lifecycle import Session
 from localchat.trace import TRACE
 from localchat.ui import approval, hangup, slash, status
-from localchat.ui.liveview import STYLE, LiveReply
+from localchat.ui.liveview import STYLE, LiveReply, LiveScreen
 from localchat.ui.ttymode import keys_unechoed
 from localchat.ui.turnpick import TurnPicker
 
@@ -80,7 +80,7 @@ class Repl:
         self.bar = bar_state(host.session)
         self.reply = ""  # the last reply's text, as streamed
         self.cancel = threading.Event()
-        self.live = LiveReply(self.bar, self._toolbar, rendered=False, show_thoughts=False)
+        self.live = LiveReply(self.bar, rendered=False, show_thoughts=False)
         self.queued: list[str] = []  # sent with Enter while a reply streamed, in order
         self.terminal: TextIO | None = sys.stdout if output is None else None  # /copy writes OSC 52 here
         self.refill = ""  # text a command (/edit) put in the next input line
@@ -90,6 +90,9 @@ class Repl:
         self.ending = 0  # SIGHUP or SIGTERM asked the chat to end: the reply in flight stops, then the loop
         self.session: PromptSession = self._prompt_session()
         self.session.default_buffer.on_text_changed += self._typed_changed
+        self.typeahead = self._typeahead()  # the line typed while a reply streams, emptied for each
+        self.typeahead.on_text_changed += self._typed_changed
+        self.screen = LiveScreen(self.typeahead, self._toolbar, asking, input, output)
         self.entered = 0.0  # when Enter was handled: the TTFT runs from here, the prompt's own teardown included
         self._early: tuple[str, LiveReply, Future] | None = None  # the turn sent at Enter, for the loop to show
         accept = self.session.default_buffer.accept_handler
@@ -151,7 +154,7 @@ class Repl:
         """Hand job to the engine's thread, under a live view made for it; after_turn there for a reply it made."""
         self.bar.phase, self.bar.live_tokens = "prefill", 0
         self.cancel.clear()
-        live = self.live = LiveReply(self.bar, self._toolbar, rendered=self.view.markdown,
+        live = self.live = LiveReply(self.bar, rendered=self.view.markdown,
                                      show_thoughts=self.view.show_thoughts, asking=self.asking)
 
         def work() -> slash.Outcome | None:
@@ -162,7 +165,7 @@ class Repl:
             return out
 
         TRACE.stamp("queued")
-        return live, self.scheduler.call(work, typed=typed)  # first: the live view is built meanwhile
+        return live, self.scheduler.call(work, typed=typed)  # at Enter: the engine starts while the prompt ends
 
     def _send_early(self, line: str) -> None:
         """At Enter, a message's turn goes to the engine's thread at once, while the prompt is still
@@ -184,8 +187,7 @@ class Repl:
         Ctrl-C stops it and keeps what came."""
         early, self._early = self._early, None
         live, future = early[1:] if early is not None and early[0] == line else self._queue_turn(job, typeahead.text)
-        typeahead.on_text_changed += self._typed_changed
-        await live.run(future, typeahead, self.cancel.set, self.input, self.output)
+        await self.screen.run(live, future, self.cancel.set)
         self.view.show_thoughts = live.show_thoughts  # Ctrl-T during the reply sticks
         self.bar.phase, self.bar.notice = "", ""
         return future.result()
@@ -276,7 +278,8 @@ class Repl:
                 self.host.cancel_edit()  # a turn chosen for editing, its words cleared away: nothing to fork
                 self.bar.notice = ""
                 continue
-            typeahead = self._typeahead()
+            typeahead = self.typeahead
+            typeahead.reset()
             try:
                 if line.startswith("/"):
                     out = await self._command(line, typeahead)
