@@ -124,7 +124,7 @@ def test_kill_9_during_a_compaction_resumes_the_window_before_or_after_it(home, 
                              "kill", "--stats-json", str(stats)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, text=True, env={**os.environ, "LOCALCHAT_HOME": str(home)})
     proc.stdin.write("".join(q + "\n" for q in QUESTIONS[:10]) + "/compact\n")
-    proc.stdin.close()
+    proc.stdin.flush()  # left open: the chat waits for a next line, so it is alive to be killed after /compact
     deadline = time.time() + 300
     while len(rows(stats)) < 10 and proc.poll() is None:  # the tenth turn's row: /compact runs next
         assert time.time() < deadline
@@ -137,6 +137,7 @@ def test_kill_9_during_a_compaction_resumes_the_window_before_or_after_it(home, 
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    proc.stdin.close()
     compacted = [r for r in transcript.read() if r.get("t") == "compact"]
     assert bool(compacted) == (when == "written")
     conv = transcript.conversation()
