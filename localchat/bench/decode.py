@@ -20,6 +20,7 @@ from typing import Any
 from localchat import runtime
 from localchat.bench import report
 from localchat.bench.peer import run_llama_bench
+from localchat.bench.report import paired
 from localchat.chat.stats import TurnStats
 from localchat.chat.turns import Chat
 from localchat.engine import SamplingConfig
@@ -110,16 +111,11 @@ def _workload_runs(rt: runtime.Runtime, modes: tuple[str, ...], text: str, repea
         part["off_first_step_ms"] = round(statistics.median(first_steps), 2)
     if tg_runs and min(tg_runs + tg1_runs) > 0:  # llama-bench gave no rows: nothing to compare with
         part["llama_bench"] = {"depth": depth, "tg_tps": round(statistics.median(tg_runs), 1), "runs": tg_runs,
-                               "over_llama_bench": {m: _paired(rates[m], tg_runs) for m in modes},
+                               "over_llama_bench": {m: paired(rates[m], tg_runs) for m in modes},
                                "tg1_ms": round(1000 / statistics.median(tg1_runs), 2),  # its first step alone
-                               "off_after_first_step_over": _paired(steady, tg_runs) if len(steady) == len(tg_runs)
+                               "off_after_first_step_over": paired(steady, tg_runs) if len(steady) == len(tg_runs)
                                else None}
     return part
-
-
-def _paired(ours: list[float], theirs: list[float]) -> float:
-    """The median of each round's ratio (round r of ours over round r of theirs): the drift cancels."""
-    return round(statistics.median(a / b for a, b in zip(ours, theirs)), 3)
 
 
 def summary(result: dict[str, Any]) -> list[str]:

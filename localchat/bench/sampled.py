@@ -18,6 +18,7 @@ from typing import Any
 from localchat import runtime
 from localchat.bench.decode import WORKLOADS
 from localchat.bench.peer import PeerServer
+from localchat.bench.report import paired
 from localchat.chat.turns import Chat
 from localchat.engine import SamplingConfig
 from localchat.settings import Profile
@@ -58,7 +59,7 @@ def _rounds(rt: runtime.Runtime, peer: PeerServer, sampling: SamplingConfig, tex
         for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:  # the machine's drift falls on each mode
             report(f"bench --decode --sampling default: {name}, {mode}, round {r + 1}/{repeat}")
             if mode == "llama-server":
-                got = peer.sampled(prompt or _prompt(rt, seeded, text), reply_tokens,
+                got = peer.sampled(prompt, reply_tokens,  # round 1 began with "off": its prompt
                                    server_sampling(seeded, rt.engine.n_ctx))
                 rates[mode].append(got["decode_tps"])
                 lengths[mode].append(got["tokens"])
@@ -73,8 +74,8 @@ def _rounds(rt: runtime.Runtime, peer: PeerServer, sampling: SamplingConfig, tex
     med = {m: round(statistics.median(v), 2) for m, v in rates.items()}
     return {"decode_tps": med, "runs": rates, "reply_tokens": lengths, "prompt_tokens": len(prompt),
             "acceptance": round(accepted / drafted, 3) if drafted else None,
-            "over_server": {m: _paired(rates[m], rates["llama-server"]) for m in ("off", "auto")},
-            "auto_over_off": _paired(rates["auto"], rates["off"])}
+            "over_server": {m: paired(rates[m], rates["llama-server"]) for m in ("off", "auto")},
+            "auto_over_off": paired(rates["auto"], rates["off"])}
 
 
 def _turn(rt: runtime.Runtime, sampling: SamplingConfig, mode: str, text: str, reply_tokens: int) -> tuple[Chat, Any]:
@@ -83,18 +84,6 @@ def _turn(rt: runtime.Runtime, sampling: SamplingConfig, mode: str, text: str, r
                                    sampling=sampling)
     chat = Chat(rt.engine, rt.chat.fmt, settings)
     return chat, chat.turn(text)
-
-
-def _prompt(rt: runtime.Runtime, sampling: SamplingConfig, text: str) -> list[int]:
-    """The prompt's tokens, as localchat renders them (llama-server's round came first)."""
-    chat, st = _turn(rt, sampling, "off", text, 1)
-    return chat.conv.window_tokens()[:st.prompt_tokens]
-
-
-def _paired(ours: list[float], theirs: list[float]) -> float | None:
-    """The median of each round's ratio: the drift cancels."""
-    pairs = [a / b for a, b in zip(ours, theirs) if b]
-    return round(statistics.median(pairs), 3) if pairs else None
 
 
 def summary(result: dict[str, Any]) -> list[str]:
