@@ -105,6 +105,24 @@ def test_next_turn_head_is_evaluated_after_the_reply_and_changes_no_output(demo_
     assert replies_warm == replies_plain
 
 
+def test_retry_finds_the_message_in_the_kv_and_counts_it_cached(demo_engine):
+    """/retry drops the last reply but keeps the message's tokens in the KV: the status bar says they were cached
+    (it said the message was recomputed: counted as if read ahead for this turn), and llama.cpp agrees."""
+    chat = greedy_chat(demo_engine, system="You are brief.")
+    chat.turn(QUESTIONS[0])
+    first = chat.turn(QUESTIONS[1])
+    reply = chat.conv.messages[-1].tokens
+    chat.ahead.warm_next_head()  # idle time after the reply, as in the terminal UI
+    again = chat.retry()
+    assert again is not None and again.turn == first.turn == 2
+    assert again.prompt_tokens == first.prompt_tokens
+    assert again.recomputed_tokens == 1  # the message's last token, evaluated again for its logits
+    assert again.cached_tokens == again.prompt_tokens - 1
+    assert again.ahead.idle_tokens == again.ahead.read_ahead_tokens == 0
+    assert again.llama_prompt_eval == again.recomputed_tokens  # llama.cpp's own counter agrees
+    assert chat.conv.messages[-1].tokens == reply  # greedy: the same reply from the same prompt
+
+
 def test_sliding_window_model_warms_a_head_that_a_save_can_take_back_out(gemma_engine):
     warm = greedy_chat(gemma_engine, system="A conversation with a helpful assistant.")
     replies = []

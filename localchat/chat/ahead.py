@@ -66,6 +66,7 @@ class Ahead:
         self.relayouted = False  # the official form changed the history since the last turn
         self.canonicalized = 0  # history tokens re-evaluated ahead since the last turn
         self.discarded = 0  # read-ahead tokens evaluated, then thrown away by edits, since the last turn
+        self.inherited_end = 0  # the KV holds a dropped exchange up to here (/retry): evaluated by an earlier turn
         self.tokens_per_s = 200.0  # idle evaluation speed, measured: sets the batch size
         self.failed = ""  # why the official form could not be laid out, until it is told
         self.told_failure = False  # once per chat is enough
@@ -78,6 +79,15 @@ class Ahead:
         """The conversation changed (a reply, undo, /new, /system, an eviction): plan again."""
         self.planned = False
 
+    def inherit(self) -> None:
+        """The last exchange was dropped with its tokens left in the KV, for the next turn to start with again
+        (/retry): what of them it finds there is cached, not work done ahead for it."""
+        self.inherited_end = self.chat.engine.n_kv
+
+    def _cut(self) -> None:
+        """The KV was rewound: what it inherited goes no further than it now holds."""
+        self.inherited_end = min(self.inherited_end, self.chat.engine.n_kv)
+
     def take_failure(self) -> str:
         """Why the official form could not be laid out, once (then "")."""
         failure, self.failed = self.failed, ""
@@ -88,7 +98,7 @@ class Ahead:
             self.typed, self.typed_at = text, time.monotonic()
 
     def end_turn(self) -> None:
-        self.relayouted, self.canonicalized, self.discarded = False, 0, 0
+        self.relayouted, self.canonicalized, self.discarded, self.inherited_end = False, 0, 0, 0
         self.typed, self.typed_tokens = "", []
         self.invalidate()
 
@@ -151,6 +161,7 @@ class Ahead:
         """Old exchanges slid out of the KV within a turn: what was evaluated ahead moved down with them."""
         self.own_from -= freed
         self.history_end -= freed
+        self.inherited_end = max(0, self.inherited_end - freed)
 
     # ------------------------------------------------------------ stepping
     def _typed_cap(self) -> int:
@@ -226,6 +237,7 @@ class Ahead:
         start = e.common_prefix(target)
         t0 = time.perf_counter()
         n, rewound = e.advance(target, max(1, int(self.tokens_per_s * STEP_SECONDS)), logits=target is sent)
+        self.inherited_end = min(self.inherited_end, e.n_kv - n)
         if n >= 4:
             self.tokens_per_s = 0.7 * self.tokens_per_s + 0.3 * n / max(time.perf_counter() - t0, 1e-6)
         self.discarded += max(0, start + rewound - max(start, self.history_end + len(self.head)))
@@ -242,6 +254,7 @@ class Ahead:
         e = self.chat.engine
         if self.planned and e.n_kv > len(self.base) and e.tokens[:len(self.base)] == self.base:
             e.truncate(len(self.base))
+            self._cut()
 
     # ------------------------------------------------------------ the turn's accounting
     def at_turn(self, window: list[int]) -> tuple[int, int]:
@@ -257,7 +270,7 @@ class Ahead:
         """Split the turn's prefill: the tokens this turn added count as recomputed whenever they were
         evaluated (ahead of Enter included); history re-evaluated for the official form counts apart."""
         in_turn_canon = min(canon_left, max(0, history_end - pre.cached))
-        early = max(0, pre.cached - own_from) if own_from >= 0 else 0
+        early = max(0, pre.cached - max(own_from, self.inherited_end)) if own_from >= 0 else 0
         head_part = min(early, max(0, history_end + head_len - own_from))
         st.cached_tokens = pre.cached - early
         st.recomputed_tokens = pre.recomputed - in_turn_canon + early
@@ -281,5 +294,6 @@ class Ahead:
         e = self.chat.engine
         if e.n_kv > len(window) and e.tokens[:len(window)] == window and e.can_rewind_to(len(window)):
             e.truncate(len(window))
+            self._cut()
             return True
         return False

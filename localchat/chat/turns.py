@@ -386,7 +386,9 @@ class Chat:
         """The last exchange again, as a new turn (None when there is none)."""
         if not self.conv.turns:
             return None
-        return self.turn(Request(self._drop_last(), inputs=inputs), sink)
+        words = self._drop_last()
+        self.ahead.inherit()  # the exchange's tokens stay in the KV: the turn finds them cached
+        return self.turn(Request(words, inputs=inputs), sink)
 
     def new(self) -> None:
         """Start over; the KV keeps the shared system prefix for the next turn to reuse."""
