@@ -64,7 +64,7 @@ def _rounds(rt: runtime.Runtime, peer: PeerServer, sampling: SamplingConfig, tex
                 rates[mode].append(got["decode_tps"])
                 lengths[mode].append(got["tokens"])
                 continue
-            chat, st = _turn(rt, seeded, mode, text, reply_tokens)
+            chat, st = turn(rt, seeded, mode, text, reply_tokens)
             prompt = chat.conv.window_tokens()[:st.prompt_tokens]
             rates[mode].append(float(st.decode.wall_decode_tps or 0.0))
             lengths[mode].append(st.reply_tokens)
@@ -78,7 +78,7 @@ def _rounds(rt: runtime.Runtime, peer: PeerServer, sampling: SamplingConfig, tex
             "auto_over_off": paired(rates["auto"], rates["off"])}
 
 
-def _turn(rt: runtime.Runtime, sampling: SamplingConfig, mode: str, text: str, reply_tokens: int) -> tuple[Chat, Any]:
+def turn(rt: runtime.Runtime, sampling: SamplingConfig, mode: str, text: str, reply_tokens: int) -> tuple[Chat, Any]:
     rt.engine.clear()
     settings = dataclasses.replace(runtime.chat_settings(rt.profile), speculate=mode, max_tokens=reply_tokens,
                                    sampling=sampling)
