@@ -677,9 +677,9 @@ def test_a_call_whose_arguments_are_not_json_is_held_to_its_schema_and_written_a
     assert gbnf is not None, name
     prompt = demo_engine.tokenize(fmt.render([{"role": "user", "content": "Look at notes.txt"}], True), True)
     wrong = []
+    demo_engine.clear()
     for seed in range(15):  # sampled for real, under the grammar from the call's opening
-        demo_engine.clear()
-        demo_engine.prefill(prompt)
+        demo_engine.prefill(prompt)  # the prompt kept in the KV: only its last token again, for its logits
         gen = Generation(tokens=[])
         for _ in demo_engine.generate(demo_engine.make_sampler(SamplingConfig(temperature=1.0, seed=seed), gbnf),
                                       400, gen):
