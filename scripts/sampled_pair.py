@@ -9,11 +9,11 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 
 from localchat import runtime
 from localchat.bench.decode import WORKLOADS
 from localchat.bench.peer import PeerServer
+from localchat.bench.report import paired
 from localchat.bench.sampled import server_sampling, turn
 
 
@@ -40,10 +40,10 @@ def main() -> None:
                 else:
                     rates[who].append(peer.sampled(prompt, args.tokens, server_sampling(seeded, rt.engine.n_ctx))
                                       ["decode_tps"])
-        ratios = [a / b for a, b in zip(rates["off"], rates["llama-server"])]
+        ratios = [round(a / b, 3) for a, b in zip(rates["off"], rates["llama-server"])]
         print(json.dumps({"model": rt.model.name, "threads": rt.engine.threads[0], "workload": args.workload,
-                          "prompt_tokens": len(prompt), "runs": rates, "ratios": [round(x, 3) for x in ratios],
-                          "off_over_server": round(statistics.median(ratios), 3)}))
+                          "prompt_tokens": len(prompt), "runs": rates, "ratios": ratios,
+                          "off_over_server": paired(rates["off"], rates["llama-server"])}))
 
 
 if __name__ == "__main__":
