@@ -22,6 +22,8 @@ SCHEMAS = {s["function"]["name"]: s for s in Toolbox(Root(Path(".")), lambda r: 
                                                        offered=READ_ONLY[:3] + SIDE_EFFECTS).schemas()}
 NAMES = list(SCHEMAS)
 # as Qwen2.5-Coder-1.5B writes its calls without the grammar (seen in the assistant bench)
+# as it answers "What is 17 times 3?" with tools on: a call of a tool it made up
+MADE_UP = '```json\n{\n  "name": "multiply",\n  "arguments": {"a": 17, "b": 3}\n}\n```'
 FENCED = 'Let me check.\n```json\n{\n  "name": "read_file",\n  "arguments": {\n    "path": "config.yaml"\n  }\n}\n```'
 
 
@@ -43,7 +45,7 @@ def test_a_json_object_naming_an_offered_tool_is_a_call(text, start, calls):
 
 
 @pytest.mark.parametrize("text", [
-    '```json\n{\n  "name": "multiply",\n  "arguments": {"a": 17, "b": 3}\n}\n```',  # no such tool: text
+    MADE_UP,  # no such tool: not a call of one (`unoffered` finds it)
     '{"name": "read_file", "arguments": {"file": "a"}}',  # arguments that do not fit the schema
     '[{"name": "read_file", "arguments": {"path": "a"}}, {"name": "nope", "arguments": {}}]',  # one of them
     'Write {"name": "Ada", "age": 36} to people.json.',  # a JSON object of the user's
@@ -51,6 +53,29 @@ def test_a_json_object_naming_an_offered_tool_is_a_call(text, start, calls):
 ])
 def test_anything_else_stays_text(text):
     assert loosecalls.find(text, NAMES, fits) == (-1, [])
+
+
+@pytest.mark.parametrize("text, found", [
+    (MADE_UP, (0, [("multiply", {"a": 17, "b": 3})])),
+    ('Sure: {"name": "add", "parameters": {"a": 2}}', (6, [("add", {"a": 2})])),
+    ('Write {"name": "Ada", "age": 36} to people.json.', (-1, [])),  # data: not a name and arguments
+    ('{"name": "read_file", "arguments": {"path": "a"}}', (-1, [])),  # offered: `find`'s
+])
+def test_a_call_shaped_object_naming_a_tool_not_offered_is_found_as_such(text, found):
+    assert loosecalls.unoffered(text, NAMES) == found
+
+
+def test_a_call_of_a_tool_not_offered_is_a_call_the_loop_answers_and_it_never_reaches_the_screen(official_dir):
+    fmt = ChatFormat((official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
+    fmt.set_tools(list(SCHEMAS.values()))
+    found = ToolFormat(fmt).find(f"Let me compute it.\n{MADE_UP}", list(SCHEMAS.values()))
+    assert [(c.name, c.arguments) for c in found.calls] == [("multiply", {"a": 17, "b": 3})] and found.loose
+    assert found.content == "Let me compute it.\n"
+    for chunk in (1, 3, 64):
+        scan = CallScanner("<tool_call>", NAMES)
+        text = f"Let me compute it.\n{MADE_UP}"
+        out = "".join(scan.feed(text[i:i + chunk]) for i in range(0, len(text), chunk)) + scan.feed("", final=True)
+        assert (out, scan.calling) == ("Let me compute it.", True)
 
 
 def test_a_call_in_the_templates_own_form_comes_first_and_thoughts_are_not_read_for_loose_calls(official_dir):

@@ -3,7 +3,9 @@ offered tool ({"name": ..., "arguments": {...}}), bare or in a ```json fence, or
 Qwen2.5-Coder writes its calls so without the grammar; vLLM's and Ollama's parsers take them too.
 
 A reply's text is read for such a call only where no call of the template's own form opened; an object
-that names no offered tool, or whose arguments do not fit the tool's schema, stays text. The trigger
+naming an offered tool whose arguments do not fit its schema stays text. A call-shaped object (a name and
+arguments, no other keys) naming a tool that is not offered is a call too (`unoffered`): the loop tells
+the model there is no such tool and has it answer, where printed it would be the answer. The trigger
 pattern hands llama.cpp's lazy grammar the call from its name on (toolgrammar.loose_call), so a call
 written under the grammar always parses.
 """
@@ -19,10 +21,13 @@ FENCE = "```"
 NAME_KEYS = ("name", "tool_name")
 ARGS_KEYS = ("arguments", "parameters")
 MOST_HELD = 200  # characters held back while it is not yet known whether they open a call
+MOST_HELD_UNOFFERED = 2_000  # an object naming no offered tool: held until it closes (a call, or data shown)
+CALL_KEYS = frozenset(NAME_KEYS + ARGS_KEYS + ("id", "type"))  # all a call-shaped object holds
 # where a reply that may not call is stopped from starting one: a fence for JSON, an object's first key (a small
 # model asked to answer writes its call again with the key or the name misspelt: "name ", "search_text_result")
 NO_CALL_OPENINGS = (r"```json", r'\{\s*"')
 NO, MORE = -1, -2  # a step's answer where it cannot go on: the text opens no call; the text ends too soon
+UNOFFERED = -3  # a step's answer: the object names a tool that is not offered (known once it closes)
 
 
 def regex_literal(text: str) -> str:
@@ -55,6 +60,30 @@ def find(text: str, names: list[str], fits: Fits) -> tuple[int, list[tuple[str, 
         if calls:
             return m.start(), calls
     return -1, []
+
+
+_ANY_OPENING = re.compile(r'(?:```(?:json)?[ \t]*\n\s*)?(?:\[\s*)?\{\s*"name"\s*:\s*"')  # as Spotter holds it back
+
+
+def unoffered(text: str, names: list[str]) -> tuple[int, list[tuple[str, dict[str, Any]]]]:
+    """The first call-shaped JSON object (or list of them) in `text` naming a tool not in `names`: (where it
+    starts, [(tool, arguments)]), or (-1, []). {"name": "Ada", "age": 36} is data, not a call."""
+    for m in _ANY_OPENING.finditer(text):
+        start = min(i for i in (text.find("{", m.start()), text.find("[", m.start())) if i >= 0)
+        try:
+            items = _values(text, start)
+        except ValueError:
+            continue
+        calls = [_call(item) for item in items if call_shaped(item)]
+        if calls and len(calls) == len(items) and all(calls) and any(c[0] not in names for c in calls if c):
+            return m.start(), [c for c in calls if c]
+    return -1, []
+
+
+def call_shaped(item: Any) -> bool:
+    """A JSON value a model writes as a call: an object of a name, arguments and nothing else."""
+    return isinstance(item, dict) and set(item) <= CALL_KEYS and bool(set(item) & set(ARGS_KEYS)) and \
+        any(isinstance(item.get(k), str) for k in NAME_KEYS)
 
 
 def opened(text: str, names: list[str]) -> int:
@@ -125,7 +154,19 @@ class Spotter:
                 return 0
             if i == MORE:
                 return -1
+            if i == UNOFFERED:
+                return self._whole(text)
         return 1
+
+    @staticmethod
+    def _whole(text: str) -> int:
+        """A name no offered tool has: a call once the object closes call-shaped, text once it does not."""
+        start = min(i for i in (text.find("{"), text.find("[")) if i >= 0)
+        try:
+            items = _values(text, start)
+        except ValueError:
+            return -1 if len(text) < MOST_HELD_UNOFFERED else 0
+        return int(all(call_shaped(item) for item in items))
 
     def _fence(self, text: str, i: int) -> int:
         if not text.startswith("`"):
@@ -164,9 +205,8 @@ class Spotter:
     def _name(self, text: str, i: int) -> int:
         end = text.find('"', i)
         if end < 0:
-            part = text[i:]
-            return MORE if any(n.startswith(part) for n in self.names) else NO
-        return end + 1 if text[i:end] in self.names else NO
+            return MORE if len(text) < MOST_HELD_UNOFFERED else NO
+        return end + 1 if text[i:end] in self.names else UNOFFERED
 
 
 def _spaces(text: str, i: int) -> int:

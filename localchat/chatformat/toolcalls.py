@@ -416,7 +416,9 @@ class ToolFormat:
             if opened >= 0:  # it names an offered tool but does not parse or fit: nothing runs, and why is said
                 return Found(raw[:answer + opened], [], answer + opened,
                              "the JSON tool call in the reply does not parse or fit the tool's schema")
-            return Found(raw)
+            at, found = loosecalls.unoffered(raw[answer:], list(schemas))  # the loop says there is no such tool
+            if at < 0:
+                return Found(raw)
         return Found(raw[:answer + at], [ToolCall(name, args) for name, args in found], answer + at, loose=True)
 
     def _first_call(self, raw: str) -> int:
