@@ -65,6 +65,15 @@ def test_the_model_reads_a_file_and_answers_from_it(assistant_path, folder, home
         assert row["recomputed_tokens"] <= row["new_tokens"] + row["rewritten_call_tokens"] + 1, row
 
 
+def test_a_plain_question_with_tools_on_gets_a_plain_answer(assistant_path, folder, home):
+    """With tools on, the model answers "What is 2+2?" with a call of an `add` tool it made up (4 of 4 runs):
+    told there is no such tool, it answers in words, and the call never reaches the screen."""
+    r, rows = chat(assistant_path, folder, home, "--tools", *READ_ONLY, "What is 2+2? Answer briefly.")
+    assert r.returncode == 0, r.stderr
+    assert "4" in r.stdout and not any(s in r.stdout for s in ("```", '"name"', "<tool_call>", "add(")), r.stdout
+    assert rows[-1]["loop_end"] == "unoffered_tool", rows
+
+
 def test_the_model_recalls_a_past_conversation_with_its_session(assistant_path, folder, home):
     seed_memory(home / "sessions")
     r, rows = chat(assistant_path, folder, home, "--tools", *READ_ONLY, "--session", "recall",

@@ -393,6 +393,24 @@ def test_a_loose_call_runs_and_is_laid_out_as_its_template_writes_calls(demo_eng
     assert window == official_prompt(chat, 3)
 
 
+def test_a_call_of_a_tool_not_offered_is_told_so_and_the_model_answers_in_plain_words(demo_engine, official_dir,
+                                                                                         tmp_path):
+    """Qwen2.5-Coder-1.5B with tools on answers "What is 2+2?" with a fenced call of an `add` it made up: nothing
+    runs, the model is told there is no such tool, and its next reply may not call; the call is never shown."""
+    chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
+    chat.tooling.enable(toolbox(tmp_path), 10, "the demo model")
+    made_up = '```json\n{\n  "name": "add",\n  "arguments": {\n    "a": 2,\n    "b": 2\n  }\n}\n```'
+    shown: list[str] = []
+    with forced_reply(demo_engine, made_up, "2 + 2 = 4."):
+        st = chat.turn("What is 2+2? Answer briefly.", TurnSink(text=shown.append))
+    call, result, answer = [m for m in chat.conv.messages if m.in_window][1:]
+    assert [(c["name"], c["arguments"]) for c in call.calls] == [("add", {"a": 2, "b": 2})]
+    assert result.call["status"] == "error" and "there is no tool named 'add'" in result.content
+    assert answer.content == "2 + 2 = 4." and "".join(shown) == "2 + 2 = 4."
+    assert st.tools.loop_end == "unoffered_tool" and st.tools.tool_calls == 0
+    assert st.recomputed_tokens <= st.new_tokens + st.tools.rewritten_call_tokens + 1
+
+
 def test_what_the_user_is_told_of_a_call(tmp_path):
     from localchat.tools.builtin import Result, call_line
     failed = call_line("edit_file", {"path": "a.txt"}, Result("edit_file: the text to replace occurs 0 times", "error"))

@@ -58,7 +58,7 @@ class Run:
     evaluated: int = 0  # tokens llama.cpp evaluated: prompt and reply
     wall_s: float = 0.0
     answers: list[str] = field(default_factory=list)
-    loop_end: str = ""  # why localchat asked for an answer ("repeated_calls", "tool_budget"), if it did
+    loop_end: str = ""  # why localchat asked for an answer ("repeated_calls", "tool_budget", "unoffered_tool")
     trace: list[str] = field(default_factory=list)  # each call and the start of its result, in order
 
 

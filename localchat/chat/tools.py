@@ -65,6 +65,20 @@ class Repeated:
         return "repeated"
 
 
+@dataclass(frozen=True)
+class Unoffered:
+    """A call of a tool that is not offered (a small model makes one up for "What is 2+2?": `add`): the model is
+    told so and answers; printed, the call would be the answer."""
+    name: str
+    status: str = "error"
+
+    @property
+    def text(self) -> str:
+        # measured on Qwen2.5-Coder-1.5B (docs/BENCHMARKS.md): a line beside the tool list instead lost 5 of 25 tasks
+        return f"there is no tool named {self.name!r}. No more tool calls: answer the user's question yourself " \
+            "now, in plain words."
+
+
 class ToolRunner(Protocol):
     """What runs a chat's tool calls (approval included): the built-in tools, and the MCP servers' with them."""
 
@@ -95,6 +109,7 @@ GoOn = Callable[[int, int], bool]  # (calls made, calls asked) would pass the re
 Step = Callable[[list[ToolCall], list[Outcome], str, float, bool], TurnStats]
 BUDGET_STOP = "tool_budget"  # why the loop ended in an answer: the user chose not to go on at the budget
 REPEAT_STOP = "repeated_calls"  # why the loop ended in an answer: the model repeated a call
+UNOFFERED_STOP = "unoffered_tool"  # why the loop ended in an answer: the model called tools that are not offered
 FAILED = ("error", "denied")  # a repeat of such a call would end alike: the model may try other arguments
 
 
@@ -103,7 +118,8 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
     """Run the calls of the reply just made, and of the replies that follow, until the model answers
     without calling, the user stops it (Ctrl-C), or a reply is cut. A call repeated with the same
     arguments is not run again: the model is pointed to its result (or told that it would fail again) and
-    may still make a new call; a second repeat ends the loop in an answer (its reply may not call). Where
+    may still make a new call; a second repeat ends the loop in an answer (its reply may not call), as does a
+    reply whose calls all name tools that are not offered (the model is told so). Where
     the user does not go on past the budget of calls, the model answers from what it has. The last step's
     stats are returned; the earlier steps' are in its `steps`, and `loop_end` says why an answer was asked
     for."""
@@ -117,6 +133,11 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
             steps.append(last)
             last = step(calls, [NotRun()] * len(calls), "", time.perf_counter(), True)
             last.tools.loop_end = BUDGET_STOP
+            break
+        if _unoffered(chat, calls):  # a made-up tool: the model answers without tools (printed, it was the answer)
+            steps.append(last)
+            last = step(calls, [Unoffered(c.name) for c in calls], "", time.perf_counter(), True)
+            last.tools.loop_end = UNOFFERED_STOP
             break
         if made + len(calls) > chat.max_calls:
             made = 0  # the user said go on: a new budget
@@ -138,6 +159,12 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
         last.tools.loop_end = ended
     last.steps = steps
     return last
+
+
+def _unoffered(chat: Steps, calls: list[ToolCall]) -> bool:
+    """Whether every call names a tool the chat does not offer."""
+    offered = {t["function"]["name"] for t in chat.runner.schemas()} if chat.runner is not None else set()
+    return all(c.name not in offered for c in calls)
 
 
 def _changed(chat: Steps, calls: list[ToolCall], outcomes: list[Outcome]) -> bool:

@@ -183,7 +183,7 @@ class Tooling:
                                                                    "status": outcome.status}))
         if on_message is not None:
             on_message()
-        ran = sum(not isinstance(o, (tools.NotRun, tools.Repeated)) for o in outcomes)
+        ran = sum(not isinstance(o, (tools.NotRun, tools.Repeated, tools.Unoffered)) for o in outcomes)
         st.tools = ToolStats(step=len([m for m in self._exchange() if m.role == "assistant"]), tool_calls=ran,
                              tool_result_tokens=sum(map(len, results)), prefetched_tokens=self._prefetched,
                              rewritten_call_tokens=self.rewritten)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localchat.chat.stats import TurnStats
-from localchat.chat.tools import BUDGET_STOP, REPEAT_STOP
+from localchat.chat.tools import BUDGET_STOP, REPEAT_STOP, UNOFFERED_STOP
 
 Fragments = list[tuple[str, str]]
 
@@ -54,7 +54,8 @@ def _where(s: BarState) -> str:
 
 
 LOOP_END_WORDS = {BUDGET_STOP: "answered at the budget of tool calls",
-                  REPEAT_STOP: "answered after a repeated tool call"}
+                  REPEAT_STOP: "answered after a repeated tool call",
+                  UNOFFERED_STOP: "answered after a call of a tool that is not offered"}
 
 
 def cut_words(st: TurnStats) -> str:
