@@ -116,7 +116,7 @@ case $PHASE in
     ;;
   writes)  # KV deltas: bytes written against the final state, the restore of base + segments against a whole one
     for kv in ${KVS:-q8_0 f16}; do
-      timeout 280 python3 -X faulthandler scripts/kv_writes.py --profile h200 --model $M/8b-gqa.gguf --kv-type $kv --ctx 22528 \
+      timeout ${WRITES_S:-280} python3 -X faulthandler scripts/kv_writes.py --profile h200 --model $M/8b-gqa.gguf --kv-type $kv --ctx 22528 \
         --turns 40 --pause 3 --repeat 5 --out "$OUT/kv-writes-8b-$kv.json" > /dev/null 2> "$OUT/kv-writes-8b-$kv.err"
       echo "kv writes ($kv) at $(( $(date +%s) - t0 )) s"; tail -3 "$OUT/kv-writes-8b-$kv.err"
     done
@@ -147,7 +147,7 @@ PY
     ;;
   seed)  # the seed workload: natural turns, the resumed first turn and the last turn again, against llama-server
     for kv in ${KVS:-f16 q8_0}; do
-      timeout 200 python3 -m localchat bench --profile h200 --model $M/8b-gqa.gguf --kv $kv --repeat 5 \
+      timeout ${SEED_S:-200} python3 -m localchat bench --profile h200 --model $M/8b-gqa.gguf --kv $kv --repeat ${REPEAT:-5} \
         --peer-server $B/llama-server --json "$OUT/seed-8b-$kv.json" > "$OUT/seed-8b-$kv.txt" 2> "$OUT/seed-8b-$kv.err"
       echo "seed bench ($kv) at $(( $(date +%s) - t0 )) s"
     done

@@ -405,7 +405,7 @@ def test_a_call_of_a_tool_not_offered_is_told_so_and_the_model_answers_in_plain_
         st = chat.turn("What is 2+2? Answer briefly.", TurnSink(text=shown.append))
     call, result, answer = [m for m in chat.conv.messages if m.in_window][1:]
     assert [(c["name"], c["arguments"]) for c in call.calls] == [("add", {"a": 2, "b": 2})]
-    assert result.call["status"] == "error" and "there is no tool named 'add'" in result.content
+    assert result.call["status"] == "error" and "'add' is not a tool here" in result.content
     assert answer.content == "2 + 2 = 4." and "".join(shown) == "2 + 2 = 4."
     assert st.tools.loop_end == "unoffered_tool" and st.tools.tool_calls == 0
     assert st.recomputed_tokens <= st.new_tokens + st.tools.rewritten_call_tokens + 1

@@ -74,9 +74,10 @@ class Unoffered:
 
     @property
     def text(self) -> str:
-        # measured on Qwen2.5-Coder-1.5B (docs/BENCHMARKS.md): a line beside the tool list instead lost 5 of 25 tasks
-        return f"there is no tool named {self.name!r}. No more tool calls: answer the user's question yourself " \
-            "now, in plain words."
+        # measured on Qwen2.5-Coder-1.5B (docs/BENCHMARKS.md): a line beside the tool list instead lost 5 of 25 tasks;
+        # "there is no tool named X" alone, it apologised for the tool ("I don't have a function called multiply")
+        return f"{self.name!r} is not a tool here. Reply to the user directly now, in plain words, with the answer " \
+            "itself."
 
 
 class ToolRunner(Protocol):
