@@ -382,6 +382,13 @@ def test_a_tool_call_round_trips_through_both_apis_on_the_real_model(assistant_p
         assert "21" in second.choices[0].message.content and second.choices[0].finish_reason == "stop"
         assert "repeats the call just answered" in server.log.read_text()
 
+        # a plain question with a tool on: a call of a tool the client did not offer is never handed back
+        plain = client.chat.completions.create(model="m", tools=WEATHER, messages=[
+            {"role": "user", "content": "What is 2+2? Answer briefly."}])
+        text = plain.choices[0].message.content or ""
+        assert not plain.choices[0].message.tool_calls and plain.choices[0].finish_reason == "stop", plain
+        assert "4" in text and '"name"' not in text and "```" not in text, text
+
         tools = [{"name": "read_file", "description": TOOLS[0]["function"]["description"],
                   "input_schema": TOOLS[0]["function"]["parameters"]}]
         ant = server.anthropic()

@@ -29,7 +29,7 @@ from localchat.chat import replystream, transcript
 from localchat.chat.conversation import Message
 from localchat.chat.official import raw_reply
 from localchat.chat.request import TurnSink
-from localchat.chat.tools import Repeated
+from localchat.chat.tools import Repeated, Unoffered
 from localchat.chatformat import reasoning
 from localchat.chatformat.loosecalls import NO_CALL_OPENINGS
 from localchat.chatformat.toolcalls import ToolCall, ToolFormat, after_thoughts
@@ -274,7 +274,9 @@ class Served:
             done = self.engine.prefill(prompt, cancelled=sink.cancelled)
             stages.stamp("prefill_queued")
             answer = self._reply(ask, min(ask.max_tokens or room, room), stages.timed(sink), stages)
-            if answer.calls and _repeats(answer, messages):
+            if answer.calls and _unoffered(answer, ask.tools):  # a made-up tool: the client could not run it
+                answer = self._answer_instead(ask, messages, answer, sink, Unoffered(answer.calls[0].name).text)
+            elif answer.calls and _repeats(answer, messages):
                 answer = self._answer_instead(ask, messages, answer, sink)
         except Cancelled:  # the client went away: nothing to answer or keep
             return Answer(finish="cancelled", prompt_tokens=len(prompt))
@@ -294,12 +296,14 @@ class Served:
         check_messages(messages)
         return len(self.prompts.prompt(messages, ask.tools))
 
-    def _answer_instead(self, ask: Ask, messages: list[dict[str, Any]], repeat: Answer, sink: TurnSink) -> Answer:
-        """The reply repeats the calls just answered: not handed back (a small model calls again and again), the
-        model told so after the last result, as the terminal chat tells it, and its answer drawn instead."""
-        log.info("request %d: %s repeats the call just answered; the model is told so and answers",
-                 self.requests, repeat.calls[0].name)
-        told = Repeated(repeat.calls[0].name, last=True).text
+    def _answer_instead(self, ask: Ask, messages: list[dict[str, Any]], repeat: Answer, sink: TurnSink,
+                        told: str = "") -> Answer:
+        """The reply repeats the calls just answered (a small model calls again and again), or calls only tools
+        the client did not offer: not handed back, the model told so after the last message, as the terminal
+        chat tells it, and its answer drawn instead."""
+        log.info("request %d: %s %s; the model is told so and answers", self.requests, repeat.calls[0].name,
+                 "is not an offered tool" if told else "repeats the call just answered")
+        told = told or Repeated(repeat.calls[0].name, last=True).text
         last = messages[-1]
         guarded = [*messages[:-1], {**last, "content": f"{last['content']}\n\n{told}"}]
         prompt = self.prompts.prompt(guarded, ask.tools)
@@ -538,6 +542,12 @@ def _common(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _unoffered(answer: Answer, tools: list[dict[str, Any]]) -> bool:
+    """Whether every call of the reply names a tool the request did not offer."""
+    offered = {t["function"]["name"] for t in tools}
+    return all(c.name not in offered for c in answer.calls)
 
 
 def _repeats(answer: Answer, messages: list[dict[str, Any]]) -> bool:
