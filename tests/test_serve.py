@@ -388,6 +388,7 @@ def test_a_tool_call_round_trips_through_both_apis_on_the_real_model(assistant_p
         text = plain.choices[0].message.content or ""
         assert not plain.choices[0].message.tool_calls and plain.choices[0].finish_reason == "stop", plain
         assert "4" in text and '"name"' not in text and "```" not in text, text
+        assert "add is not an offered tool" in server.log.read_text()  # this model calls an `add` it made up
 
         tools = [{"name": "read_file", "description": TOOLS[0]["function"]["description"],
                   "input_schema": TOOLS[0]["function"]["parameters"]}]
