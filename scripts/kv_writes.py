@@ -155,6 +155,12 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="kv-writes-"))
     rows = chat(home, args)
     meta = json.loads((home / "sessions" / "w" / "meta.json").read_text())
+    chatted = {"model": args.model, "kv_type": args.kv_type, "turns": len(rows), "final_tokens": rows[-1]["ctx_used"],
+               "turns_saved": sum(1 for r in rows if r.get("bytes_written")),
+               "written_bytes": meta["kv_written"]["total"],
+               "session_files_bytes": {f.name: f.stat().st_size for f in (home / "sessions" / "w").iterdir()}}
+    if args.out:  # kept should the restores below crash (they did once in a model load on an H100)
+        Path(args.out).write_text(json.dumps(chatted, indent=1) + "\n")
     result = restores(home, args)
     per_token = result["whole_bytes"] / max(rows[-1]["ctx_used"], 1)
     whole_every_turn = sum(round(r["ctx_used"] * per_token) for r in rows)
