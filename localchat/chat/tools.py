@@ -135,7 +135,8 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
             last = step(calls, [NotRun()] * len(calls), "", time.perf_counter(), True)
             last.tools.loop_end = BUDGET_STOP
             break
-        if _unoffered(chat, calls):  # a made-up tool: the model answers without tools (printed, it was the answer)
+        offered = chat.runner.schemas() if chat.runner is not None else []
+        if unoffered_only(calls, offered):  # made up: the model answers without tools (printed, it was the answer)
             steps.append(last)
             last = step(calls, [Unoffered(c.name) for c in calls], "", time.perf_counter(), True)
             last.tools.loop_end = UNOFFERED_STOP
@@ -162,9 +163,9 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
     return last
 
 
-def _unoffered(chat: Steps, calls: list[ToolCall]) -> bool:
-    """Whether every call names a tool the chat does not offer."""
-    offered = {t["function"]["name"] for t in chat.runner.schemas()} if chat.runner is not None else set()
+def unoffered_only(calls: list[ToolCall], tools: list[dict[str, Any]]) -> bool:
+    """Whether every call names a tool that `tools` (schemas as offered) does not hold."""
+    offered = {t["function"]["name"] for t in tools}
     return all(c.name not in offered for c in calls)
 
 

@@ -69,15 +69,19 @@ def unoffered(text: str, names: list[str]) -> tuple[int, list[tuple[str, dict[st
     """The first call-shaped JSON object (or list of them) in `text` naming a tool not in `names`: (where it
     starts, [(tool, arguments)]), or (-1, []). {"name": "Ada", "age": 36} is data, not a call."""
     for m in _ANY_OPENING.finditer(text):
-        start = min(i for i in (text.find("{", m.start()), text.find("[", m.start())) if i >= 0)
         try:
-            items = _values(text, start)
+            items = _values(text, _bracket_at(text, m.start()))
         except ValueError:
             continue
-        calls = [_call(item) for item in items if call_shaped(item)]
-        if calls and len(calls) == len(items) and all(calls) and any(c[0] not in names for c in calls if c):
-            return m.start(), [c for c in calls if c]
+        calls = [c for c in map(_call, items) if c is not None] if all(map(call_shaped, items)) else []
+        if calls and len(calls) == len(items) and any(name not in names for name, _ in calls):
+            return m.start(), calls
     return -1, []
+
+
+def _bracket_at(text: str, at: int) -> int:
+    """Where the JSON value opening at or after `at` starts: its first brace or bracket."""
+    return min(i for i in (text.find("{", at), text.find("[", at)) if i >= 0)
 
 
 def call_shaped(item: Any) -> bool:
@@ -161,9 +165,8 @@ class Spotter:
     @staticmethod
     def _whole(text: str) -> int:
         """A name no offered tool has: a call once the object closes call-shaped, text once it does not."""
-        start = min(i for i in (text.find("{"), text.find("[")) if i >= 0)
         try:
-            items = _values(text, start)
+            items = _values(text, _bracket_at(text, 0))
         except ValueError:
             return -1 if len(text) < MOST_HELD_UNOFFERED else 0
         return int(all(call_shaped(item) for item in items))

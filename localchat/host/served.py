@@ -29,7 +29,7 @@ from localchat.chat import replystream, transcript
 from localchat.chat.conversation import Message
 from localchat.chat.official import raw_reply
 from localchat.chat.request import TurnSink
-from localchat.chat.tools import Repeated, Unoffered
+from localchat.chat.tools import Repeated, Unoffered, unoffered_only
 from localchat.chatformat import reasoning
 from localchat.chatformat.loosecalls import NO_CALL_OPENINGS
 from localchat.chatformat.toolcalls import ToolCall, ToolFormat, after_thoughts
@@ -274,10 +274,13 @@ class Served:
             done = self.engine.prefill(prompt, cancelled=sink.cancelled)
             stages.stamp("prefill_queued")
             answer = self._reply(ask, min(ask.max_tokens or room, room), stages.timed(sink), stages)
-            if answer.calls and _unoffered(answer, ask.tools):  # a made-up tool: the client could not run it
-                answer = self._answer_instead(ask, messages, answer, sink, Unoffered(answer.calls[0].name).text)
+            if answer.calls and unoffered_only(answer.calls, ask.tools):  # made up: the client could not run it
+                answer = self._answer_instead(ask, messages, answer, sink, Unoffered(answer.calls[0].name).text,
+                                              "is not an offered tool")
             elif answer.calls and _repeats(answer, messages):
-                answer = self._answer_instead(ask, messages, answer, sink)
+                answer = self._answer_instead(ask, messages, answer, sink,
+                                              Repeated(answer.calls[0].name, last=True).text,
+                                              "repeats the call just answered")
         except Cancelled:  # the client went away: nothing to answer or keep
             return Answer(finish="cancelled", prompt_tokens=len(prompt))
         answer.prompt_tokens, answer.cached_tokens = len(prompt), done.cached
@@ -297,13 +300,11 @@ class Served:
         return len(self.prompts.prompt(messages, ask.tools))
 
     def _answer_instead(self, ask: Ask, messages: list[dict[str, Any]], repeat: Answer, sink: TurnSink,
-                        told: str = "") -> Answer:
+                        told: str, why: str) -> Answer:
         """The reply repeats the calls just answered (a small model calls again and again), or calls only tools
         the client did not offer: not handed back, the model told so after the last message, as the terminal
         chat tells it, and its answer drawn instead."""
-        log.info("request %d: %s %s; the model is told so and answers", self.requests, repeat.calls[0].name,
-                 "is not an offered tool" if told else "repeats the call just answered")
-        told = told or Repeated(repeat.calls[0].name, last=True).text
+        log.info("request %d: %s %s; the model is told so and answers", self.requests, repeat.calls[0].name, why)
         last = messages[-1]
         guarded = [*messages[:-1], {**last, "content": f"{last['content']}\n\n{told}"}]
         prompt = self.prompts.prompt(guarded, ask.tools)
@@ -542,12 +543,6 @@ def _common(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _unoffered(answer: Answer, tools: list[dict[str, Any]]) -> bool:
-    """Whether every call of the reply names a tool the request did not offer."""
-    offered = {t["function"]["name"] for t in tools}
-    return all(c.name not in offered for c in answer.calls)
 
 
 def _repeats(answer: Answer, messages: list[dict[str, Any]]) -> bool:
