@@ -1,7 +1,7 @@
 """KV deltas, measured: a scripted chat in line mode (the real CLI, autosave on) growing to near its context; the
 bytes its saves wrote (meta.json's kv_written) against the final state's size and against whole saves every turn
 (each turn's state, as the autosave before deltas wrote it); then the final KV restored from its base and segments
-against the same KV restored from one whole state (medians of --repeat, alternated, in one process).
+against the same KV restored from one whole state (medians of --repeat, alternated, in a process of their own).
 
     python scripts/kv_writes.py [--model demo] [--profile cpu] [--kv-type f16] [--ctx 8192] [--turns 40]
                                 [--repeat 5] [--out FILE]"""
@@ -104,6 +104,7 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
     chained = read_saved(chained_path)
     print("whole and chained states written", file=sys.stderr, flush=True)
     live_token, live_logits = _greedy(engine, tokens)  # the KV the chain was cut from, as it is live
+    assert ctl.store is not None
     sessions = ctl.store.state  # the chain the chat itself left: its last base and the saves after it
     times: dict[str, list[float]] = {"deltas": [], "whole": [], "session": []}
     next_tokens: dict[str, int] = {}
@@ -137,6 +138,19 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
             "logits_max_diff_whole_session": _diff(logits["whole"], logits["session"])}
 
 
+def restores_apart(home: Path) -> dict:
+    """restores() in a process of its own, tried twice: its first model load segfaulted once on an H100 (the
+    chat's own load, in its process, had not), and the chat's figures are kept either way."""
+    for attempt in (1, 2):
+        done = subprocess.run([sys.executable, "-X", "faulthandler", __file__, *sys.argv[1:], "--restores-in",
+                               str(home)], capture_output=True, text=True)
+        sys.stderr.write(done.stderr)
+        if done.returncode == 0:
+            return json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"restores, attempt {attempt}: exit {done.returncode}", file=sys.stderr, flush=True)
+    sys.exit("the restores failed twice (their log above)")
+
+
 def _diff(a: np.ndarray | None, b: np.ndarray | None) -> float | None:
     return float(np.abs(a - b).max()) if a is not None and b is not None else None
 
@@ -151,7 +165,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--pause", type=float, default=0.0, help="seconds between a reply and the next turn")
     ap.add_argument("--out", default="")
+    ap.add_argument("--restores-in", default="", help=argparse.SUPPRESS)  # the child that times the restores
     args = ap.parse_args()
+    if args.restores_in:
+        print(json.dumps(restores(Path(args.restores_in), args)))
+        return
     home = Path(tempfile.mkdtemp(prefix="kv-writes-"))
     rows = chat(home, args)
     meta = json.loads((home / "sessions" / "w" / "meta.json").read_text())
@@ -161,7 +179,7 @@ def main() -> None:
                "session_files_bytes": {f.name: f.stat().st_size for f in (home / "sessions" / "w").iterdir()}}
     if args.out:  # kept should the restores below crash (they did once in a model load on an H100)
         Path(args.out).write_text(json.dumps(chatted, indent=1) + "\n")
-    result = restores(home, args)
+    result = restores_apart(home)
     per_token = result["whole_bytes"] / max(rows[-1]["ctx_used"], 1)
     whole_every_turn = sum(round(r["ctx_used"] * per_token) for r in rows)
     out = {"model": args.model, "profile": args.profile, "kv_type": args.kv_type, "ctx": args.ctx,
