@@ -83,7 +83,8 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
 
     os.environ["LOCALCHAT_HOME"] = str(home)
     settings = {"model": args.model, "n_ctx": args.ctx, "type_k": args.kv_type, "type_v": args.kv_type}
-    rt = runtime.open_runtime(runtime.load_profile(args.profile, settings), lambda t: None)
+    rt = runtime.open_runtime(runtime.load_profile(args.profile, settings), lambda t: None,
+                              explicit_ctx=args.explicit_ctx)
     ctl = Session(rt, SessionDir("w"), lambda t: None, autosave=False)
     ctl.resume()
     print(f"resumed: {ctl.restore_note}", file=sys.stderr, flush=True)  # where a crash on a device happened
@@ -141,9 +142,9 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
 def restores_apart(home: Path) -> dict:
     """restores() in a process of its own, tried twice: its first model load segfaulted once on an H100 (the
     chat's own load, in its process, had not), and the chat's figures are kept either way."""
-    for attempt in (1, 2):
-        done = subprocess.run([sys.executable, "-X", "faulthandler", __file__, *sys.argv[1:], "--restores-in",
-                               str(home)], capture_output=True, text=True)
+    for attempt, how in ((1, ["-X", "faulthandler"]), (2, [])):  # the second as the CLI loads: --ctx given
+        done = subprocess.run([sys.executable, *how, __file__, *sys.argv[1:], "--restores-in", str(home),
+                               *(["--explicit-ctx"] if attempt == 2 else [])], capture_output=True, text=True)
         sys.stderr.write(done.stderr)
         if done.returncode == 0:
             return json.loads(done.stdout.strip().splitlines()[-1])
@@ -165,7 +166,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--pause", type=float, default=0.0, help="seconds between a reply and the next turn")
     ap.add_argument("--out", default="")
-    ap.add_argument("--restores-in", default="", help=argparse.SUPPRESS)  # the child that times the restores
+    ap.add_argument("--restores-in", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--explicit-ctx", action="store_true", help=argparse.SUPPRESS)  # the child that times the restores
     args = ap.parse_args()
     if args.restores_in:
         print(json.dumps(restores(Path(args.restores_in), args)))
