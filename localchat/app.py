@@ -57,7 +57,7 @@ def _chat(args: argparse.Namespace, profile: Profile, hub: Hub | None) -> int:
     choice = SessionChoice(args.session, args.resume_last, keep=not args.no_session, one_shot=bool(message))
     how = opening.Opening(
         choice, _report, asking.approve if asking is not None else approval.pre_approved_only(_report),
-        asking.go_on if asking is not None else None, interactive, args.verbose,
+        asking.go_on if asking is not None else None, asking is not None, interactive, args.verbose,
         quiet=bool(message) and not args.verbose, explicit_ctx=args.n_ctx is not None, attach=tuple(args.attach or ()),
         stdin=sys.stdin.buffer if message and not sys.stdin.isatty() else None, stats_path=args.stats_json or "")
     host = opening.open_host(profile, hub, how)

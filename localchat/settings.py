@@ -166,7 +166,8 @@ class Profile:
     tools: bool = setting(False, flag="--tools", chat_only=True,
                           help="offer the built-in tools (read_file, list_files, search_text, search_conversations, "
                                "write_file, edit_file, run_command), the file tools rooted at the working directory; "
-                               "a call not approved in advance is shown whole and asked about (line mode denies it)")
+                               "a call not approved in advance is shown whole and asked about (line mode offers only "
+                               "those approved)")
     allow_tools: tuple[str, ...] = setting(
         (), "a list of tool names", lambda v: len(v) <= 64 and all(isinstance(x, str) for x in v),
         flag="--allow-tool", chat_only=True,

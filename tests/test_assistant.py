@@ -26,7 +26,7 @@ READ_ONLY = ["--allow-tool", "read_file", "--allow-tool", "list_files", "--allow
 def warm_home(assistant_path, tmp_path_factory) -> Path:
     """A LOCALCHAT_HOME whose prefix store holds the tool list's KV and whose cache has the model's hash."""
     home = tmp_path_factory.mktemp("warm")
-    r = run_cli(["--model", str(assistant_path), "--tools", "--temperature", "0", "--max-tokens", "1", "Hi"],
+    r = run_cli(["--model", str(assistant_path), "--tools", *READ_ONLY, "--temperature", "0", "--max-tokens", "1", "Hi"],
                 env={"LOCALCHAT_HOME": str(home)}, timeout=900)
     assert r.returncode == 0, r.stderr
     return home
@@ -72,6 +72,20 @@ def test_a_plain_question_with_tools_on_gets_a_plain_answer(assistant_path, fold
     assert r.returncode == 0, r.stderr
     assert "4" in r.stdout and not any(s in r.stdout for s in ("```", '"name"', "<tool_call>", "add(")), r.stdout
     assert rows[-1]["loop_end"] == "unoffered_tool", rows
+
+
+def test_after_a_denied_call_the_model_stops_and_answers_in_words(assistant_path, folder, home):
+    """A read outside the working directory is denied in line mode: the model is told so, its next reply is the
+    answer (no more calls), in words; nothing of the file reaches it or the screen."""
+    outside = folder.parent / "secret.txt"
+    outside.write_text("The vault code is 6061.\n")
+    r, rows = chat(assistant_path, folder, home, "--tools", *READ_ONLY, f"What is in {outside}?")
+    assert r.returncode == 0, r.stderr
+    assert f"read_file denied (outside the working directory: {outside})" in r.stderr, r.stderr
+    assert sum(line.startswith("[tool ") for line in r.stderr.splitlines()) == 1, r.stderr
+    assert rows[-1]["loop_end"] == "denied", rows
+    assert r.stdout.strip() and "6061" not in r.stdout
+    assert not any(s in r.stdout for s in ("```", '"name"', "<tool_call>", "{")), r.stdout
 
 
 def test_the_model_recalls_a_past_conversation_with_its_session(assistant_path, folder, home):

@@ -15,7 +15,7 @@ from localchat.chat.turns import Chat
 from localchat.chatformat import reasoning
 from localchat.chatformat.toolcalls import ToolCall
 from localchat.errors import ToolsUnsupported
-from localchat.tools.builtin import Decision, Toolbox
+from localchat.tools.builtin import DENIED, Decision, Toolbox
 from localchat.tools.rooted import Root
 from localchat.ui import status
 from localchat.ui.approval import GRACE_S
@@ -154,8 +154,9 @@ def test_a_denied_call_is_told_to_the_model_and_the_loop_survives_a_resume(demo_
     with forced_reply(demo_engine, chat.tooling.format.call_text([call]), "I could not write it."):
         st = chat.turn("Write x.txt")
     result = chat.conv.messages[2]
-    assert result.role == "tool" and result.content == "denied by the user" and result.call["status"] == "denied"
-    assert not (tmp_path / "x.txt").exists() and "denied by the user" in kv_text(demo_engine, demo_engine.tokens)
+    assert result.role == "tool" and result.content == DENIED and result.call["status"] == "denied"
+    assert not (tmp_path / "x.txt").exists() and DENIED in kv_text(demo_engine, demo_engine.tokens)
+    assert st.tools.loop_end == "denied"  # the step after a denial is the answer: the user decides what next
     assert st.recomputed_tokens <= st.new_tokens + 1
     replayed = transcript.replay(chat.events)
     assert [m.role for m in replayed.messages] == ["user", "assistant", "tool", "assistant"]
@@ -187,7 +188,8 @@ def test_undo_and_retry_take_a_whole_tool_exchange(demo_engine, official_dir, tm
 
 def test_tools_on_a_model_whose_template_takes_none_is_one_line_and_exit_2(home, demo_path):
     from tests.conftest import run_cli
-    r = run_cli(["--model", str(demo_path), "--tools"], "Hello\n", {"LOCALCHAT_HOME": str(home)})
+    r = run_cli(["--model", str(demo_path), "--tools", "--allow-tool", "read_file"], "Hello\n",
+                {"LOCALCHAT_HOME": str(home)})
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
         "SmolLM2-135M-Instruct.Q4_1.gguf cannot call tools: its chat template does not take tools")
     assert not r.stdout
@@ -216,6 +218,19 @@ def test_a_side_effect_cannot_be_approved_in_advance(home, demo_path):
                 "Hello\n", {"LOCALCHAT_HOME": str(home)})
     assert r.returncode == 2 and "write_file has side effects: it is approved call by call, never in advance" in \
         r.stderr.strip().splitlines()[-1] and not r.stdout
+
+
+def test_where_no_one_is_asked_only_the_tools_approved_in_advance_are_offered(home, tools_model, tmp_path):
+    """Line mode and a one-shot deny every call not approved in advance: such tools are not offered at all (the
+    1.5B, offered them, called write_file after a read, was denied, and answered with JSON fragments)."""
+    from tests.conftest import run_cli
+    args = ["--model", str(tools_model), "--tools", "--max-tokens", "1", "--temperature", "0", "--no-session"]
+    r = run_cli([*args, "--allow-tool", "read_file"], "Hello\n", {"LOCALCHAT_HOME": str(home)}, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "localchat: not offered, as no one is asked here: list_files, search_text, search_conversations, " \
+        "write_file, edit_file, run_command" in r.stderr and "localchat: tools: 1 offered" in r.stderr, r.stderr
+    r = run_cli(args + ["Hello"], env={"LOCALCHAT_HOME": str(home)}, cwd=tmp_path)
+    assert r.returncode == 0 and "localchat: tools: none offered" in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------- approval costs no time
@@ -255,7 +270,7 @@ def test_a_denied_result_evaluated_ahead_is_rewound_out_of_the_kv(demo_engine, o
     chat, st, at_answer = _asked_ahead(demo_engine, official_dir, tmp_path, "deny")
     assert st["prefetched_tokens"] > 400 and at_answer[0] > st["prompt_tokens"]  # it was in the KV ...
     result = [m for m in chat.conv.messages if m.role == "tool"][0]
-    assert result.content == "denied by the user" and result.call["status"] == "denied"
+    assert result.content == DENIED and result.call["status"] == "denied"
     kv = kv_text(demo_engine, demo_engine.tokens)
     assert "Line 3: bread" not in kv  # ... and is not now: the KV holds the denial, token for token
     assert kv_text(demo_engine, chat.conv.window_tokens()[:st["prompt_tokens"]]) == official_prompt(chat, 3)
@@ -541,7 +556,7 @@ def test_always_stops_asking_for_that_tool_and_deny_tells_the_model(home, tools_
         a.h.type("d")
         a.done()
         result = [m for m in a.h.ctl.chat.conv.messages if m.role == "tool"][-1]
-        assert result.content == "denied by the user" and not (tmp_path / "c.txt").exists()
+        assert result.content == DENIED and not (tmp_path / "c.txt").exists()
     finally:
         a.h.close()
 

@@ -18,7 +18,7 @@ class ToolStats:
     prefetched_tokens: int | None = None  # result tokens evaluated while the calls ran
     rewritten_call_tokens: int | None = None  # a call re-laid out as its template writes it, evaluated by this step
     tool_call_error: str | None = None  # why a call the reply opened did not run
-    loop_end: str | None = None  # why the loop stopped early (tools.BUDGET_STOP, REPEAT_STOP, UNOFFERED_STOP)
+    loop_end: str | None = None  # why the loop ended in an answer early (tools.BUDGET_STOP, REPEAT_STOP, ...)
 
 
 @dataclass

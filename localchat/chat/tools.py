@@ -111,6 +111,7 @@ Step = Callable[[list[ToolCall], list[Outcome], str, float, bool], TurnStats]
 BUDGET_STOP = "tool_budget"  # why the loop ended in an answer: the user chose not to go on at the budget
 REPEAT_STOP = "repeated_calls"  # why the loop ended in an answer: the model repeated a call
 UNOFFERED_STOP = "unoffered_tool"  # why the loop ended in an answer: the model called tools that are not offered
+DENIED_STOP = "denied"  # why the loop ended in an answer: the user denied a call (the model stops, as the user asked)
 FAILED = ("error", "denied")  # a repeat of such a call would end alike: the model may try other arguments
 
 
@@ -120,7 +121,8 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
     without calling, the user stops it (Ctrl-C), or a reply is cut. A call repeated with the same
     arguments is not run again: the model is pointed to its result (or told that it would fail again) and
     may still make a new call; a second repeat ends the loop in an answer (its reply may not call), as does a
-    reply whose calls all name tools that are not offered (the model is told so). Where
+    reply whose calls all name tools that are not offered (the model is told so) and a denied call (the user
+    said no: the model says what it has, and the user decides what next). Where
     the user does not go on past the budget of calls, the model answers from what it has. The last step's
     stats are returned; the earlier steps' are in its `steps`, and `loop_end` says why an answer was asked
     for."""
@@ -150,6 +152,7 @@ def loop(chat: Steps, first: TurnStats, step: Step, cancelled: Callable[[], bool
             outcomes, started = _with_repeats(chat, calls, before, cancelled, bool(ended))
         else:
             outcomes, started = _outcomes(chat, calls, cancelled)
+        ended = ended or (DENIED_STOP if any(o.status == "denied" for o in outcomes) else "")
         if _changed(chat, calls, outcomes):
             seen.clear()  # after a write, an edit or a command, the same read or test may answer otherwise
         seen.update({_key(c): o.status for c, o in zip(calls, outcomes) if _key(c) not in seen})

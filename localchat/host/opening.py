@@ -35,6 +35,7 @@ class Opening:
     report: Report  # diagnostics (stderr)
     approve: Approver  # a call not approved in advance: asked (terminal UI) or denied (line mode)
     go_on: tools.GoOn | None = None  # past the reply's budget of calls: asked; None: stop and say so
+    asks: bool = False  # a call not approved in advance is asked about; else only those approved are offered
     interactive: bool = False  # a person at a terminal: idle work while they read and type, results run ahead
     verbose: bool = False
     quiet: bool = False  # a one-shot's answer is its output: of the session only its notices, no progress
@@ -111,15 +112,26 @@ def _first_documents(chat: Chat, how: Opening) -> list[str]:
 
 
 def offer_tools(rt: runtime.Runtime, how: Opening, hub: Hub | None) -> None:
-    """The built-in tools (with --tools), rooted at the working directory, and the MCP servers' tools."""
+    """The built-in tools (with --tools), rooted at the working directory, and the MCP servers' tools; where no
+    one is asked (line mode, a one-shot), only those approved in advance: the others could only be denied
+    (and the 1.5B, denied, called more tools and answered with their JSON)."""
     p = rt.profile
+    builtin = BUILTIN.offer(p.allow_tools) if p.tools else ()
+    only = None if how.asks else set(p.allow_tools)
+    if only is not None and (unasked := [n for n in builtin if n not in only]):
+        how.report(f"localchat: not offered, as no one is asked here: {', '.join(unasked)} (only tools approved in "
+                   "advance run: --allow-tool NAME for a read-only one)")
+        builtin = tuple(n for n in builtin if n in only)
     box = Toolbox(Root(Path.cwd()), how.approve, allowed=set(p.allow_tools), timeout=p.tool_timeout,
-                  report=how.report, ahead=how.interactive, offered=BUILTIN.offer(p.allow_tools) if p.tools else (),
+                  report=how.report, ahead=how.interactive, offered=builtin,
                   provided={"search_conversations": lambda query, limit: past_conversations(
                       query, limit, rt.embedding, this_turn(rt.chat))})
-    offered = ToolSet(box, hub, p.mcp_timeout, ListCache(paths.home() / "mcp-tools.json"))
+    offered = ToolSet(box, hub, p.mcp_timeout, ListCache(paths.home() / "mcp-tools.json"), only=only)
     for line in offered.notices:
         how.report(f"localchat: {line}")
+    if not offered.schemas():
+        how.report("localchat: tools: none offered")
+        return
     rt.chat.tooling.enable(offered, p.max_tool_calls, rt.model.path.name, p.tool_choice,
                          go_on=how.go_on or _budget_spent(p.max_tool_calls, how.report))
     how.report(f"localchat: tools: {tool_cost_line(rt.chat, offered)}")

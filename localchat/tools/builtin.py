@@ -71,6 +71,12 @@ class Result:
     status: str = "ok"  # ok, denied, error
 
 
+# what the model reads for a denied call: the loop ends in an answer (a user who said no decides what next; the
+# 1.5B told only "denied by the user" called other tools nobody asked for and answered with their JSON)
+DENIED = "The user denied this call: it did not run. Reply to the user directly now, in plain words, with what " \
+    "you have."
+
+
 class ToolError(Exception):
     """A call that cannot run as asked; its text goes back to the model."""
 
@@ -160,7 +166,7 @@ class Toolbox:
         except OSError as exc:
             return Result(f"{name}: {exc.strerror or exc}", "error")
         if decision.verdict == "deny":
-            return Result("denied by the user", "denied")
+            return Result(DENIED, "denied")
         if decision.arguments is None:
             return ready if ready is not None else self._execute(name, arguments)
         if problem := validate(BUILTIN[name].schema, decision.arguments):
@@ -342,7 +348,9 @@ def call_line(name: str, args: Any, result: Result) -> str:
     """What the user is told of a call that ran or was refused: the call, how it ended and why (a failure's
     reason); a command's output, its first lines."""
     shown = _arguments(args)[:200] if isinstance(args, dict) else ""
-    if result.status in ("error", "denied"):
+    if result.status == "denied":  # the model's text is its instructions; the user made the decision
+        return f"[tool {name}({shown}): denied]"
+    if result.status == "error":
         reason = (result.text.strip().splitlines() or [""])[0][:300]
         return f"[tool {name}({shown}): {result.status}: {reason}]"
     head = f"[tool {name}({shown}): {result.status}, {len(result.text):,} characters]"

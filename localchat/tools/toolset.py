@@ -20,7 +20,7 @@ from typing import Any
 
 from localchat.arguments import validate
 from localchat.fsutil import atomic_write
-from localchat.tools.builtin import RESULT_CHARS, Request, Result, Toolbox, call_line, cap
+from localchat.tools.builtin import DENIED, RESULT_CHARS, Request, Result, Toolbox, call_line, cap
 from localchat.tools.mcp import Hub, McpTool
 from localchat.tools.mcpconfig import ServerSpec
 
@@ -73,6 +73,7 @@ class ToolSet:
     hub: Hub | None = None
     timeout: float = 60.0
     cache: ListCache | None = None
+    only: set[str] | None = None  # the MCP tools offered, by full name (None: all): where no one is asked
     notices: list[str] = field(default_factory=list)  # tools not offered, and why (one line each)
     _offered: dict[str, McpTool] = field(default_factory=dict)
     _seen: dict[str, list[McpTool] | None] = field(default_factory=dict)  # each server's list as offered
@@ -104,9 +105,10 @@ class ToolSet:
                 self.notices.append(f"MCP server {name}: {state}; its tools are not offered")
                 continue
             for tool in tools:
-                if spec.tools is not None and tool.name not in spec.tools:
-                    continue
                 named = full_name(name, tool.name)
+                if spec.tools is not None and tool.name not in spec.tools or self.only is not None and \
+                        named not in self.only:
+                    continue
                 if named in taken or not _FUNCTION_NAME.fullmatch(named):
                     self.notices.append(f"MCP server {name}: tool {tool.name!r} is not offered: "
                                         + ("its name is taken" if named in taken else f"{named!r} is not a name "
@@ -174,7 +176,7 @@ class ToolSet:
         decision = self.box.decide(Request(name, arguments, f"(runs as: {server.spec.where()})", side_effect=True,
                                            server=tool.server))
         if decision.verdict == "deny":
-            return Result("denied by the user", "denied")
+            return Result(DENIED, "denied")
         args = decision.arguments if decision.arguments is not None else arguments
         server.ready.wait(server.spec.start_timeout)  # a call to a server still starting waits for it, only it
         outcome = server.call(tool.name, args, server.spec.timeout or self.timeout, cancelled)

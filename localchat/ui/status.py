@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from localchat.chat.stats import TurnStats
-from localchat.chat.tools import BUDGET_STOP, REPEAT_STOP, UNOFFERED_STOP
+from localchat.chat.tools import BUDGET_STOP, DENIED_STOP, REPEAT_STOP, UNOFFERED_STOP
 
 Fragments = list[tuple[str, str]]
 
@@ -55,7 +55,8 @@ def _where(s: BarState) -> str:
 
 LOOP_END_WORDS = {BUDGET_STOP: "answered at the budget of tool calls",
                   REPEAT_STOP: "answered after a repeated tool call",
-                  UNOFFERED_STOP: "answered after a call of a tool that is not offered"}
+                  UNOFFERED_STOP: "answered after a call of a tool that is not offered",
+                  DENIED_STOP: "answered after a denied tool call"}
 
 
 def cut_words(st: TurnStats) -> str:
