@@ -1,5 +1,8 @@
 """Which first model load segfaults on a CUDA machine (kv_writes.py's restores did on an H100; the CLI's did not):
-each variant in its own process, its exit code and last lines. python scripts/diag_load.py MODEL"""
+each variant in its own process, its exit code and last lines. python scripts/diag_load.py MODEL
+
+Found on an H100 (2026-12-05): the two variants that import numpy before llama_cpp segfault in
+llama_model_load_from_file; every other loads (the CLI imports llama_cpp first)."""
 import subprocess
 import sys
 

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import llama_cpp  # noqa: F401  before numpy: with numpy loaded first, the CUDA model load segfaulted on an H100
 import numpy as np
 
 FILLER = ("The harbour log for this watch records the wind, the tide, the ships that passed the point, their "

@@ -104,10 +104,13 @@ class ToolSet:
                 state = f"failed: {server.late}" if server.state == "starting" else server.state
                 self.notices.append(f"MCP server {name}: {state}; its tools are not offered")
                 continue
+            unasked = [full_name(name, t.name) for t in tools if self.only is not None and
+                       full_name(name, t.name) not in self.only and (spec.tools is None or t.name in spec.tools)]
+            if unasked:
+                self.notices.append(f"MCP server {name}: not offered, as no one is asked here: {', '.join(unasked)}")
             for tool in tools:
                 named = full_name(name, tool.name)
-                if spec.tools is not None and tool.name not in spec.tools or self.only is not None and \
-                        named not in self.only:
+                if spec.tools is not None and tool.name not in spec.tools or named in unasked:
                     continue
                 if named in taken or not _FUNCTION_NAME.fullmatch(named):
                     self.notices.append(f"MCP server {name}: tool {tool.name!r} is not offered: "
