@@ -84,8 +84,7 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
 
     os.environ["LOCALCHAT_HOME"] = str(home)
     settings = {"model": args.model, "n_ctx": args.ctx, "type_k": args.kv_type, "type_v": args.kv_type}
-    rt = runtime.open_runtime(runtime.load_profile(args.profile, settings), lambda t: None,
-                              explicit_ctx=args.explicit_ctx)
+    rt = runtime.open_runtime(runtime.load_profile(args.profile, settings), lambda t: None)
     ctl = Session(rt, SessionDir("w"), lambda t: None, autosave=False)
     ctl.resume()
     print(f"resumed: {ctl.restore_note}", file=sys.stderr, flush=True)  # where a crash on a device happened
@@ -141,16 +140,14 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
 
 
 def restores_apart(home: Path) -> dict:
-    """restores() in a process of its own, tried twice: its first model load segfaulted once on an H100 (the
-    chat's own load, in its process, had not), and the chat's figures are kept either way."""
-    for attempt, how in ((1, ["-X", "faulthandler"]), (2, [])):  # the second as the CLI loads: --ctx given
-        done = subprocess.run([sys.executable, *how, __file__, *sys.argv[1:], "--restores-in", str(home),
-                               *(["--explicit-ctx"] if attempt == 2 else [])], capture_output=True, text=True)
-        sys.stderr.write(done.stderr)
-        if done.returncode == 0:
-            return json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"restores, attempt {attempt}: exit {done.returncode}", file=sys.stderr, flush=True)
-    sys.exit("the restores failed twice (their log above)")
+    """restores() in a process of its own: a crash there (its first model load segfaulted on an H100, numpy having
+    been imported before llama_cpp) keeps the chat's figures, written before."""
+    done = subprocess.run([sys.executable, "-X", "faulthandler", __file__, *sys.argv[1:], "--restores-in", str(home)],
+                          capture_output=True, text=True)
+    sys.stderr.write(done.stderr)
+    if done.returncode != 0:
+        sys.exit(f"the restores failed: exit {done.returncode} (their log above)")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _diff(a: np.ndarray | None, b: np.ndarray | None) -> float | None:
@@ -167,8 +164,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--pause", type=float, default=0.0, help="seconds between a reply and the next turn")
     ap.add_argument("--out", default="")
-    ap.add_argument("--restores-in", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--explicit-ctx", action="store_true", help=argparse.SUPPRESS)  # the child that times the restores
+    ap.add_argument("--restores-in", default="", help=argparse.SUPPRESS)  # the child that times the restores
     args = ap.parse_args()
     if args.restores_in:
         print(json.dumps(restores(Path(args.restores_in), args)))
@@ -180,7 +176,7 @@ def main() -> None:
                "turns_saved": sum(1 for r in rows if r.get("bytes_written")),
                "written_bytes": meta["kv_written"]["total"],
                "session_files_bytes": {f.name: f.stat().st_size for f in (home / "sessions" / "w").iterdir()}}
-    if args.out:  # kept should the restores below crash (they did once in a model load on an H100)
+    if args.out:  # kept should the restores below crash
         Path(args.out).write_text(json.dumps(chatted, indent=1) + "\n")
     result = restores_apart(home)
     per_token = result["whole_bytes"] / max(rows[-1]["ctx_used"], 1)

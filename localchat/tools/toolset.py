@@ -104,13 +104,13 @@ class ToolSet:
                 state = f"failed: {server.late}" if server.state == "starting" else server.state
                 self.notices.append(f"MCP server {name}: {state}; its tools are not offered")
                 continue
-            unasked = [full_name(name, t.name) for t in tools if self.only is not None and
-                       full_name(name, t.name) not in self.only and (spec.tools is None or t.name in spec.tools)]
+            listed = [t for t in tools if spec.tools is None or t.name in spec.tools]
+            named_all = [full_name(name, t.name) for t in listed]
+            unasked = [n for n in named_all if self.only is not None and n not in self.only]
             if unasked:
                 self.notices.append(f"MCP server {name}: not offered, as no one is asked here: {', '.join(unasked)}")
-            for tool in tools:
-                named = full_name(name, tool.name)
-                if spec.tools is not None and tool.name not in spec.tools or named in unasked:
+            for tool, named in zip(listed, named_all):
+                if named in unasked:
                     continue
                 if named in taken or not _FUNCTION_NAME.fullmatch(named):
                     self.notices.append(f"MCP server {name}: tool {tool.name!r} is not offered: "
