@@ -10,6 +10,7 @@ each path a user takes, alternated, each turn traced (localchat/trace.py's stage
   repeat    the bench's repeat: the KV cleared, the history prefilled, the head warmed, the turn
   repeat+sync  the same, the card's queued work waited for before the turn
   resume    the session saved, the KV dropped, restored from disk, the turn
+  resume+sync  the same, the card's queued work waited for before the turn
 
     python scripts/turn_paths.py [--profile cpu] [--model demo] [--rounds 5] [--out FILE]"""
 
@@ -69,6 +70,7 @@ def main() -> None:
         rows.append({"path": path, "ttft_ms": round(st.ttft_s * 1e3, 2), "prefill_ms": round(st.prefill_s * 1e3, 2),
                      "evaluated": st.recomputed_tokens, "llama_prompt_eval": st.llama_prompt_eval,
                      "first_step_ms": st.decode.first_step_ms,
+                     "resumed_by": ctl.restore_note if path.startswith("resume") else "",
                      "stages_ms": {k: round(v, 2) for k, v in stages.items()}})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
 
@@ -88,13 +90,15 @@ def main() -> None:
         if sync:
             engine.synchronize()
 
-    def resumed() -> None:
+    def resumed(sync: bool) -> None:
         chat.undo()
         ctl.save()
         ctl.writer.wait()
         engine.clear()
         chat.adopt(ctl.store.conversation())
         ctl.resume()
+        if sync:
+            engine.synchronize()
 
     for last in users[args.turns:]:  # each round a new message, then the other paths ask it again
         again = functools.partial(ctl.turn, last)
@@ -103,7 +107,8 @@ def main() -> None:
         timed("undo", warmed_after_undo, again)
         timed("repeat", functools.partial(prefilled_again, False), again)
         timed("repeat+sync", functools.partial(prefilled_again, True), again)
-        timed("resume", resumed, again)
+        timed("resume", functools.partial(resumed, False), again)
+        timed("resume+sync", functools.partial(resumed, True), again)
     medians = {p: {"ttft_ms": statistics.median(r["ttft_ms"] for r in rows if r["path"] == p),
                    "evaluated": statistics.median(r["evaluated"] for r in rows if r["path"] == p)}
                for p in dict.fromkeys(r["path"] for r in rows)}
