@@ -14,6 +14,8 @@
 #                                               # bench's resume (restore or re-prefill chosen)
 #   bash scripts/gpu_final.sh paths OUTDIR    # build + the 8B shape, scripts/turn_paths.py: a natural turn beside
 #                                               # /retry, /undo, the bench's repeat and a resume, traced
+#   bash scripts/gpu_final.sh diag52 OUTDIR   # the 8B shape: turn_paths.py with the seed bench's own repeat and resume
+#                                               # steps, the seed bench (q8_0) with and without its peers
 #   bash scripts/gpu_final.sh tools OUTDIR     # build + the 8B shape, bench --tools against llama-server
 #   bash scripts/gpu_final.sh sampled OUTDIR   # build + the 8B shape, bench --decode --sampling default against
 #                                               # llama-server at the same sampler settings, 5 paired rounds
@@ -31,7 +33,7 @@
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-case $PHASE in decode|document|statecost|writes|paths|split|split2|tools|ui|gap34|images|sampled|seed) export MODELS=${MODELS:-8b-gqa};; demo|mrope) export MODELS=${MODELS:-tiny};; esac
+case $PHASE in decode|document|statecost|writes|paths|diag52|split|split2|tools|ui|gap34|images|sampled|seed) export MODELS=${MODELS:-8b-gqa};; demo|mrope) export MODELS=${MODELS:-tiny};; esac
 # one model: the build and it fit with the runs (the demo phase brings its own)
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
@@ -151,6 +153,17 @@ PY
         --peer-server $B/llama-server --json "$OUT/seed-8b-$kv.json" > "$OUT/seed-8b-$kv.txt" 2> "$OUT/seed-8b-$kv.err"
       echo "seed bench ($kv) at $(( $(date +%s) - t0 )) s"
     done
+    ;;
+  diag52)  # the seed bench's slow repeats found: turn_paths' bench-like paths, the seed bench with and without peers
+    timeout 150 python3 -X faulthandler scripts/turn_paths.py --profile h200 --model $M/8b-gqa.gguf --kv-type q8_0 --rounds 5 \
+      --out "$OUT/turn-paths-8b-q8_0.json" 2> "$OUT/turn-paths-8b-q8_0.err" > "$OUT/turn-paths-8b-q8_0.txt"
+    echo "turn paths at $(( $(date +%s) - t0 )) s"
+    timeout 150 python3 -m localchat bench --profile h200 --model $M/8b-gqa.gguf --kv q8_0 --repeat 5 \
+      --peer-server $B/llama-server --json "$OUT/seed-8b-q8_0.json" > "$OUT/seed-8b-q8_0.txt" 2> "$OUT/seed-8b-q8_0.err"
+    echo "seed bench at $(( $(date +%s) - t0 )) s"
+    timeout 150 python3 -m localchat bench --profile h200 --model $M/8b-gqa.gguf --kv q8_0 --repeat 5 --no-raw \
+      --json "$OUT/seed-8b-q8_0-alone.json" > "$OUT/seed-8b-q8_0-alone.txt" 2> "$OUT/seed-8b-q8_0-alone.err"
+    echo "seed bench, no peers, at $(( $(date +%s) - t0 )) s"
     ;;
   paths)  # where a turn after a rewind or a load spends its time, beside a natural turn (f16 and q8_0 KV)
     for kv in ${KVS:-f16 q8_0}; do

@@ -11,6 +11,8 @@ each path a user takes, alternated, each turn traced (localchat/trace.py's stage
   repeat+sync  the same, the card's queued work waited for before the turn
   resume    the session saved, the KV dropped, restored from disk, the turn
   resume+sync  the same, the card's queued work waited for before the turn
+  bench-repeat  the seed bench's repeat as it runs, peers left out (a full prefill and one token drawn first)
+  bench-resume  the seed bench's resume as it runs (re-prefill and restore each timed, then the real one)
 
     python scripts/turn_paths.py [--profile cpu] [--model demo] [--rounds 5] [--out FILE]"""
 
@@ -40,7 +42,9 @@ def main() -> None:
     trace_file = home / "trace.jsonl"
 
     from localchat import runtime
+    from localchat.bench import modes
     from localchat.bench.modes import text_of
+    from localchat.engine import SamplingConfig
     from localchat.session.lifecycle import Session
     from localchat.session.sessiondir import SessionDir
     from localchat.trace import TRACE
@@ -56,6 +60,8 @@ def main() -> None:
     for text in users[:args.turns]:
         ctl.after_turn(ctl.turn(text))
     rows: list[dict] = []
+    asked: list[int] = []  # the last turn's prompt tokens
+    greedy = engine.make_sampler(SamplingConfig(temperature=0))
 
     def timed(path: str, setup, turn) -> None:
         """`setup` (untimed: the user's own action), then the turn, traced from its start."""
@@ -65,6 +71,7 @@ def main() -> None:
         st = turn()
         TRACE.end()
         ctl.after_turn(st)
+        asked[:] = chat.conv.window_tokens()[:st.prompt_tokens]
         traced = _lines(trace_file)[lines_before:]
         stages = dict(json.loads(traced[-1])["stages"]) if traced else {}
         rows.append({"path": path, "ttft_ms": round(st.ttft_s * 1e3, 2), "prefill_ms": round(st.prefill_s * 1e3, 2),
@@ -100,6 +107,22 @@ def main() -> None:
         if sync:
             engine.synchronize()
 
+    def as_the_bench_repeats() -> None:
+        """bench/modes.py repeat_last_turn's steps before its timed turn, the peers left out."""
+        chat.undo()
+        before = chat.conv.window_tokens()
+        engine.clear()
+        modes._first_token(engine, list(asked), 0.0, greedy)  # its `recompute` row
+        engine.prefill(before)
+        chat.ahead.warm_next_head()
+        modes.user_pause(rt)
+
+    def as_the_bench_resumes() -> None:
+        """bench/modes.py's resume (both ways back timed, then the real one) before its timed turn."""
+        chat.undo()
+        modes._resume(rt, ctl, ctl.store)
+        modes.user_pause(rt)
+
     for last in users[args.turns:]:  # each round a new message, then the other paths ask it again
         again = functools.partial(ctl.turn, last)
         timed("natural", nothing, again)
@@ -109,6 +132,8 @@ def main() -> None:
         timed("repeat+sync", functools.partial(prefilled_again, True), again)
         timed("resume", functools.partial(resumed, False), again)
         timed("resume+sync", functools.partial(resumed, True), again)
+        timed("bench-repeat", as_the_bench_repeats, functools.partial(chat.turn, last))
+        timed("bench-resume", as_the_bench_resumes, again)
     medians = {p: {"ttft_ms": statistics.median(r["ttft_ms"] for r in rows if r["path"] == p),
                    "evaluated": statistics.median(r["evaluated"] for r in rows if r["path"] == p)}
                for p in dict.fromkeys(r["path"] for r in rows)}

@@ -68,7 +68,7 @@ def run_localchat(rt: runtime.Runtime, args, users: list[str], home: Path, kv: s
         if i == args.turns // 2 + 1:
             ctl.writer.wait()
             resume = _resume(rt, ctl, store)
-        read_load_now(rt)
+        user_pause(rt)
         t0 = time.perf_counter()
         st = ctl.turn(text)
         window = ctl.chat.conv.window_tokens()
@@ -90,10 +90,13 @@ def run_localchat(rt: runtime.Runtime, args, users: list[str], home: Path, kv: s
             "host_overhead_bytes": peak - rss0}
 
 
-def read_load_now(rt: runtime.Runtime) -> None:
-    """The load other processes put on the machine read over the last moment, as the terminal UI's idle time
-    reads it while the user reads and types: with auto threads, a window spanning the peers' replay of the turn
-    before would count their work as load now and leave localchat one thread on two cores."""
+def user_pause(rt: runtime.Runtime) -> None:
+    """What the user's reading and typing gives the chat before a turn: a GPU's queued work done (the head
+    warmed, a history prefilled: a turn timed right after it would wait for work no user waits for), and the
+    load other processes put on the machine read over the last moment, as the terminal UI's idle time reads
+    it: with auto threads, a window spanning the peers' replay of the turn before would count their work as
+    load now and leave localchat one thread on two cores."""
+    rt.engine.synchronize()
     rt.refit_threads()  # closes the window that held the peers' work
     rt.refit_threads(min_window=LOAD_WINDOW_S)
 
@@ -118,6 +121,7 @@ def _resume(rt: runtime.Runtime, ctl: Session, store: SessionDir) -> dict:
     engine.clear()
     t0 = time.perf_counter()
     engine.prefill(window)
+    engine.synchronize()  # a GPU's queued work included, as in the load's time
     prefill_s = time.perf_counter() - t0
     _, reprefill_first = _first_token(engine, window, t0, greedy)
     engine.clear()
@@ -212,7 +216,7 @@ def repeat_last_turn(rt: runtime.Runtime, last_text: str, prompts: list[list[int
     for k in range(1, rounds + 1):
         engine.prefill(before)  # the state after the previous turn (later rounds: a rewind of what recompute left)
         chat.ahead.warm_next_head()  # as after_turn does once a reply has been shown
-        read_load_now(rt)
+        user_pause(rt)
         st = chat.turn(last_text)
         rows.append(Row("resume", kv, len(prompts), st.prompt_tokens, st.recomputed_tokens, st.ttft_s, st.prefill_s,
                         st.decode_tps, repeat=k, threads=engine.threads[1]))

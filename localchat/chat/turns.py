@@ -189,6 +189,9 @@ class Chat:
         try:
             TRACE.stamp("prefill_start")
             pre = self.prefill(prompt, sink.progress, sink.cancelled, sink.prefix, laid.stops)
+            queued_from = time.perf_counter()
+            e.synchronize()  # a GPU's queued work is the prefill's: its seconds include it, llama.cpp books it here
+            queued_s = time.perf_counter() - queued_from
             TRACE.stamp("prefill_end")
         except Cancelled:
             self.record(self.conv.add_reply("", [], cut=True))
@@ -196,8 +199,7 @@ class Chat:
             self.ahead.end_turn()
             return self.finish(st, t0, gen, inputs)
         self.ahead.credit(st, pre, laid.window_len, laid.head_len, laid.own_from, laid.canon_left)
-        st.prefill_s, st.first_diff = pre.seconds, pre.first_diff
-        e.synchronize()  # llama.cpp books its counters there; the first draw would wait for it anyway
+        st.prefill_s, st.first_diff = pre.seconds + queued_s, pre.first_diff
         prompt_eval = int(e.perf()["prompt_n"])
         opts = self._reply_options(sink)
         self.reply(len(prompt), gen, st, opts, self.tooling.first_sampler)
