@@ -176,9 +176,13 @@ def test_a_torn_or_damaged_delta_restores_the_save_before_it_and_the_next_save_g
 def test_a_restore_reads_the_base_and_segments_straight_to_their_places(home, demo_path, flash_attn, monkeypatch):
     """load_saved reads each byte of the base and the segments from disk into its place in the state laid out
     (no copy of either in between), checked as it is read: the state llama.cpp gets is byte for byte the one
-    the segments describe and the live KV's, after a rewind into the base too (V rows, and V transposed)."""
+    the segments describe and the live KV's, after a rewind into the base too (V rows, and V transposed). Each
+    segment is read in chunks on several threads, its CRC made of theirs: a byte flipped in a segment's last
+    chunk is found, the segment named."""
     from localchat import runtime
-    from localchat.session.kvdisk import read_saved
+    from localchat.session.kvdisk import path_of_deltas, read_saved
+
+    monkeypatch.setattr(kvdelta, "READ_CHUNK", 4096)  # segments of a few MB in several chunks
     from localchat.session.lifecycle import Session
     from localchat.session.sessiondir import SessionDir
 
@@ -203,9 +207,27 @@ def test_a_restore_reads_the_base_and_segments_straight_to_their_places(home, de
         monkeypatch.setattr(engine, "load_state", lambda data, toks: handed.append(bytes(data)) is None)
         assert kv.load_saved(saved)
         assert handed == [live]
+        last = saved.segments[-1]
+        with path_of_deltas(state).open("r+b") as f:
+            f.seek(last.at + last.size - 10)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x40]))
+        with pytest.raises(kvdelta.Damaged) as found:
+            kv.load_saved(read_saved(state))
+        assert found.value.index == len(saved.segments) - 1
     finally:
         ctl.close()
         rt.close()
+
+
+def test_crc32_combine_gives_zlibs_crc_of_the_pieces_laid_end_to_end():
+    import os
+    import zlib
+
+    for first, second in ((0, 0), (0, 9), (9, 0), (1, 1), (4096, 4096), (1000, 12_345), (8 << 20, 3)):
+        a, b = os.urandom(first), os.urandom(second)
+        assert kvdelta.crc32_combine(zlib.crc32(a), zlib.crc32(b), second) == zlib.crc32(a + b)
 
 
 def test_a_restore_through_the_pinned_buffer_gives_the_live_kv(home, demo_path, monkeypatch):

@@ -9,8 +9,8 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,14 @@ def read_placed(into: memoryview, fd: int, offset: int, length: int, places: lis
     """The file's `length` bytes from `offset`, each run where `places` puts it in `into` (sorted by file
     offset, not overlapping); with a `hasher`, every byte hashed as read_into does (those no place names are read
     only to be hashed) and each chunk's digest returned, in order."""
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        return list(read_placed_on(pool, into, fd, offset, length, places, chunk, hasher))
+
+
+def read_placed_on(pool: Executor, into: memoryview, fd: int, offset: int, length: int, places: list[Place],
+                   chunk: int, hasher: Callable[[], Any] | None = None) -> Iterator[bytes]:
+    """read_placed's chunks handed to `pool` at once (several files' ranges can share its threads); their digests,
+    in order, as they are done."""
     starts = [p[0] for p in places]
 
     def one(start: int) -> bytes:
@@ -92,8 +100,7 @@ def read_placed(into: memoryview, fd: int, offset: int, length: int, places: lis
                     _read(scratch[:min(len(scratch), stop - piece)], fd, offset + piece, h)
             at = stop
         return bytes(h.digest()) if h is not None else b""
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        return list(pool.map(one, range(0, length, chunk)))
+    return pool.map(one, range(0, length, chunk))
 
 
 def _read(view: memoryview, fd: int, at: int, h: Any) -> None:

@@ -19,6 +19,7 @@ restore is the last whole save before it.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import mmap
 import os
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from localchat.engine.pinned import Place, read_placed
+from localchat.engine.pinned import Place, read_placed_on
 from localchat.fsutil import PRIVATE_FILE
 from localchat.session.statefile import chunk_hasher
 
@@ -44,6 +45,7 @@ SEQ_STATE_MAGIC = 0xAF143CD8  # llama-context.cpp's `io_magic`: what a sequence 
 _U32, _K_HEAD, _V_TRANS_HEAD = struct.Struct("<I"), struct.Struct("<iQ"), struct.Struct("<iII")
 _META = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
 CRC32 = chunk_hasher("crc32")
+READ_CHUNK = 8 << 20  # a segment is read in chunks at least this large, each on a thread of its own
 
 
 class Uncuttable(Exception):
@@ -255,18 +257,56 @@ def read(path: Path, base: str, check_payloads: bool = True) -> tuple[list[Segme
 
 
 def read_segments(path: Path, segments: list[Segment], places: list[list[Place]], into: memoryview) -> None:
-    """Each segment's payload read from the deltas file where its `places` put it in `into` (in parallel), its CRC
-    checked as it is read: Damaged for the first that fails it."""
-    def one(i: int) -> bool:
-        s = segments[i]
-        (digest,) = read_placed(into, fd, s.at, s.size, places[i], max(s.size, 1), 1, CRC32)
-        return int.from_bytes(digest, "big") == s.crc
-    with path.open("rb") as f:
-        fd = f.fileno()
-        with ThreadPoolExecutor(min(len(segments), 16) or 1) as pool:
-            intact = list(pool.map(one, range(len(segments))))
-    if not all(intact):
-        raise Damaged(intact.index(False))
+    """Each segment's payload read from the deltas file where its `places` put it in `into`, in chunks on a pool of
+    threads (one thread's CRC-32 of a 180 MB segment took longer than the rest of a GPU's restore), its CRC checked
+    as it is read, the chunks' CRCs combined: Damaged for the first that fails it."""
+    threads = min(os.cpu_count() or 1, 16)
+    chunks = [max(READ_CHUNK, -(-s.size // threads)) for s in segments]
+    with path.open("rb") as f, ThreadPoolExecutor(threads) as pool:
+        reads = [read_placed_on(pool, into, f.fileno(), s.at, s.size, places[i], chunks[i], CRC32)
+                 for i, s in enumerate(segments)]
+        for i, (s, chunk, digests) in enumerate(zip(segments, chunks, reads)):
+            crc = 0
+            for k, digest in enumerate(digests):
+                crc = crc32_combine(crc, int.from_bytes(digest, "big"), min(chunk, s.size - k * chunk))
+            if crc != s.crc:
+                raise Damaged(i)
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of two pieces laid end to end from theirs and the second's length (zlib's crc32_combine,
+    which Python's zlib does not offer): crc1 times x^(8 len2) modulo zlib's polynomial, plus crc2."""
+    return _multmodp(_x8nmodp(len2), crc1) ^ crc2
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a times b modulo zlib's polynomial, in its reflected bit order (zlib's multmodp)."""
+    m, product = 1 << 31, 0
+    while m and a:
+        if a & m:
+            product ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+@functools.lru_cache(maxsize=64)  # a read's chunks are mostly of one length
+def _x8nmodp(n: int) -> int:
+    """x^(8n) modulo zlib's polynomial: by the squares x^(2^k), one for each bit of 8n."""
+    product, k = 1 << 31, 3
+    while n:
+        if n & 1:
+            product = _multmodp(_X2N[k & 31], product)
+        n >>= 1
+        k += 1
+    return product
+
+
+_POLY = 0xEDB88320
+_X2N = [1 << 30]  # x^(2^k) for k = 0..31 (x^1 is bit 30 in the reflected order)
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
 
 
 def _walk(data: memoryview, check_payloads: bool) -> Iterator[tuple[dict[str, Any], int, str]]:
