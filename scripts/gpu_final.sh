@@ -16,6 +16,8 @@
 #                                               # /retry, /undo, the bench's repeat and a resume, traced
 #   bash scripts/gpu_final.sh diag52 OUTDIR   # the 8B shape: turn_paths.py with the seed bench's own repeat and resume
 #                                               # steps, the seed bench (q8_0) with and without its peers
+#   bash scripts/gpu_final.sh verify52 OUTDIR # the 8B shape: the seed bench (q8_0, f16), turn_paths.py, the restores
+#                                               # of base + segments against a whole state
 #   bash scripts/gpu_final.sh tools OUTDIR     # build + the 8B shape, bench --tools against llama-server
 #   bash scripts/gpu_final.sh sampled OUTDIR   # build + the 8B shape, bench --decode --sampling default against
 #                                               # llama-server at the same sampler settings, 5 paired rounds
@@ -33,7 +35,7 @@
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-case $PHASE in decode|document|statecost|writes|paths|diag52|split|split2|tools|ui|gap34|images|sampled|seed) export MODELS=${MODELS:-8b-gqa};; demo|mrope) export MODELS=${MODELS:-tiny};; esac
+case $PHASE in decode|document|statecost|writes|paths|diag52|verify52|split|split2|tools|ui|gap34|images|sampled|seed) export MODELS=${MODELS:-8b-gqa};; demo|mrope) export MODELS=${MODELS:-tiny};; esac
 # one model: the build and it fit with the runs (the demo phase brings its own)
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
@@ -164,6 +166,21 @@ PY
     timeout 150 python3 -m localchat bench --profile h200 --model $M/8b-gqa.gguf --kv q8_0 --repeat 5 --no-raw \
       --json "$OUT/seed-8b-q8_0-alone.json" > "$OUT/seed-8b-q8_0-alone.txt" 2> "$OUT/seed-8b-q8_0-alone.err"
     echo "seed bench, no peers, at $(( $(date +%s) - t0 )) s"
+    ;;
+  verify52)  # after the fixes: the seed bench (f16, q8_0) against llama-server, turn_paths.py (q8_0), and the
+             # restore of base + segments against a whole state (turns 0.5 s apart: the restores are what is timed)
+    for kv in ${KVS:-q8_0 f16}; do
+      timeout ${SEED_S:-120} python3 -m localchat bench --profile h200 --model $M/8b-gqa.gguf --kv $kv --repeat 5 \
+        --peer-server $B/llama-server --json "$OUT/seed-8b-$kv.json" > "$OUT/seed-8b-$kv.txt" 2> "$OUT/seed-8b-$kv.err"
+      echo "seed bench ($kv) at $(( $(date +%s) - t0 )) s"; grep -E "over_server|paths|resume:" "$OUT/seed-8b-$kv.txt"
+    done
+    timeout 100 python3 -X faulthandler scripts/turn_paths.py --profile h200 --model $M/8b-gqa.gguf --kv-type q8_0 \
+      --rounds 5 --out "$OUT/turn-paths-8b-q8_0.json" 2> "$OUT/turn-paths-8b-q8_0.err" | tr -d ' \n'; echo
+    echo "turn paths at $(( $(date +%s) - t0 )) s"
+    timeout ${WRITES_S:-200} python3 -X faulthandler scripts/kv_writes.py --profile h200 --model $M/8b-gqa.gguf \
+      --kv-type q8_0 --ctx 22528 --turns 40 --pause 0.5 --repeat 5 --out "$OUT/kv-restores-8b-q8_0.json" > /dev/null \
+      2> "$OUT/kv-restores-8b-q8_0.err"
+    echo "restores at $(( $(date +%s) - t0 )) s"; grep -o '"restore_[a-z]*_median_s": [0-9.]*' "$OUT/kv-restores-8b-q8_0.json"
     ;;
   paths)  # where a turn after a rewind or a load spends its time, beside a natural turn (f16 and q8_0 KV)
     for kv in ${KVS:-f16 q8_0}; do

@@ -12,6 +12,8 @@ each path a user takes, alternated, each turn traced (localchat/trace.py's stage
   resume    the session saved, the KV dropped, restored from disk, the turn
   resume+sync  the same, the card's queued work waited for before the turn
   bench-repeat  the seed bench's repeat as it runs, peers left out (a full prefill and one token drawn first)
+  greedy-probe  the same, its one token drawn by the greedy draw alone (the chat's has penalties): the draw
+                moved into llama.cpp's graph and out again at the turn (the bench's repeat until 2026-12-05)
   bench-resume  the seed bench's resume as it runs (re-prefill and restore each timed, then the real one)
 
     python scripts/turn_paths.py [--profile cpu] [--model demo] [--rounds 5] [--out FILE]"""
@@ -61,7 +63,8 @@ def main() -> None:
         ctl.after_turn(ctl.turn(text))
     rows: list[dict] = []
     asked: list[int] = []  # the last turn's prompt tokens
-    greedy = engine.make_sampler(SamplingConfig(temperature=0))
+    probes = {"chat": engine.make_sampler(chat.settings.sampling),  # the bench's probes draw as the chat does
+              "greedy": engine.make_sampler(SamplingConfig(temperature=0))}  # as they did: llama.cpp's graph draws
 
     def timed(path: str, setup, turn) -> None:
         """`setup` (untimed: the user's own action), then the turn, traced from its start."""
@@ -107,12 +110,12 @@ def main() -> None:
         if sync:
             engine.synchronize()
 
-    def as_the_bench_repeats() -> None:
+    def as_the_bench_repeats(probe: str) -> None:
         """bench/modes.py repeat_last_turn's steps before its timed turn, the peers left out."""
         chat.undo()
         before = chat.conv.window_tokens()
         engine.clear()
-        modes._first_token(engine, list(asked), 0.0, greedy)  # its `recompute` row
+        modes._first_token(engine, list(asked), 0.0, probes[probe])  # its `recompute` row
         engine.prefill(before)
         chat.ahead.warm_next_head()
         modes.user_pause(rt)
@@ -132,7 +135,8 @@ def main() -> None:
         timed("repeat+sync", functools.partial(prefilled_again, True), again)
         timed("resume", functools.partial(resumed, False), again)
         timed("resume+sync", functools.partial(resumed, True), again)
-        timed("bench-repeat", as_the_bench_repeats, functools.partial(chat.turn, last))
+        timed("bench-repeat", functools.partial(as_the_bench_repeats, "chat"), functools.partial(chat.turn, last))
+        timed("greedy-probe", functools.partial(as_the_bench_repeats, "greedy"), functools.partial(chat.turn, last))
         timed("bench-resume", as_the_bench_resumes, again)
     medians = {p: {"ttft_ms": statistics.median(r["ttft_ms"] for r in rows if r["path"] == p),
                    "evaluated": statistics.median(r["evaluated"] for r in rows if r["path"] == p)}

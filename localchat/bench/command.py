@@ -145,7 +145,8 @@ def run_kv(args, profile, home: Path, kv: str, progress, result: dict) -> dict:
         res = run_localchat(rt, args, users, home, kv, progress, peers)
         prompts, replies = res["prompts"], res["replies"]
         ram: dict = {}
-        rows = res["rows"] + peers.rows + run_recompute(rt.engine, prompts, replies, kv, progress, ram)
+        recomputed = run_recompute(rt.engine, rt.chat.settings.sampling, prompts, replies, kv, progress, ram)
+        rows = res["rows"] + peers.rows + recomputed
         result.setdefault("machine", {"model": rt.model.name, "profile": profile.name, "n_ctx": rt.engine.n_ctx,
                                       "n_gpu_layers": cfg.n_gpu_layers, "threads": cfg.threads(),
                                       "flash_attn": cfg.flash_attn, "cpu_count": os.cpu_count()})

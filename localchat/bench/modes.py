@@ -114,7 +114,7 @@ def _first_token(engine: Engine, tokens: list[int], t0: float, sampler) -> tuple
 def _resume(rt: runtime.Runtime, ctl: Session, store: SessionDir) -> dict:
     """Drop the KV (as a new process would have none), time both ways back, then resume for real."""
     engine = rt.engine
-    greedy = engine.make_sampler(SamplingConfig(temperature=0))
+    greedy = engine.make_sampler(ctl.chat.settings.sampling)  # the chat's (temperature 0 here), see run_recompute
     window = ctl.chat.conv.window_tokens()
     ctl.save()  # as a clean exit does
     ctl.writer.wait()
@@ -147,14 +147,16 @@ def _resume(rt: runtime.Runtime, ctl: Session, store: SessionDir) -> dict:
             "chosen_within_10pct": chosen == faster or min(load_s, prefill_s) * 1.1 >= max(load_s, prefill_s)}
 
 
-def run_recompute(engine: Engine, prompts: list[list[int]], replies: list[list[int]], kv: str, progress,
-                  ram: dict) -> list[Row]:
-    """Also measures the decode path's host RAM beyond llama.cpp's buffers (no autosave here)."""
+def run_recompute(engine: Engine, sampling: SamplingConfig, prompts: list[list[int]], replies: list[list[int]],
+                  kv: str, progress, ram: dict) -> list[Row]:
+    """Also measures the decode path's host RAM beyond llama.cpp's buffers (no autosave here). Drawn as the chat
+    draws (`sampling`, its penalties too): a greedy draw alone goes in llama.cpp's graph on a GPU, and the chat's
+    next turn would pay for moving it out again, as no user's turn does."""
     rows = []
     engine.clear()
     engine.prefill(prompts[0][:8])  # llama.cpp's buffers are all allocated by the first decode
     rss0 = peak = _anon_rss()
-    sampler = engine.make_sampler(SamplingConfig(temperature=0))
+    sampler = engine.make_sampler(sampling)
     for i, (prompt, n) in enumerate(zip(prompts, replies), 1):
         engine.clear()
         engine.reset_perf()
@@ -211,7 +213,7 @@ def repeat_last_turn(rt: runtime.Runtime, last_text: str, prompts: list[list[int
     prompt, reply = prompts[-1], replies[-1]
     chat.undo()  # back to the conversation before the last turn; recompute cleared the KV
     before = chat.conv.window_tokens()
-    sampler = engine.make_sampler(SamplingConfig(temperature=0))
+    sampler = engine.make_sampler(chat.settings.sampling)  # see run_recompute
     rows = []
     for k in range(1, rounds + 1):
         engine.prefill(before)  # the state after the previous turn (later rounds: a rewind of what recompute left)

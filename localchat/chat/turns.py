@@ -188,6 +188,7 @@ class Chat:
         st.prompt_tokens = len(prompt)
         try:
             TRACE.stamp("prefill_start")
+            e.draw_with(self.tooling.first_sampler or self._sampler)  # the prompt's last logits made for the reply
             pre = self.prefill(prompt, sink.progress, sink.cancelled, sink.prefix, laid.stops)
             queued_from = time.perf_counter()
             e.synchronize()  # a GPU's queued work is the prefill's: its seconds include it, llama.cpp books it here
