@@ -11,10 +11,10 @@ from tests.conftest import run_cli
 
 
 def test_bench_modes_evaluate_the_same_tokens(tmp_path):
-    out = tmp_path / "bench.json"
+    out, requests = tmp_path / "bench.json", tmp_path / "requests"
     r = run_cli(["bench", "--profile", "cpu", "--model", "demo", "--turns", "4", "--system-tokens", "64",
-                 "--user-tokens", "20", "--reply-tokens", "8", "--kv", "f16", "--repeat", "2", "--json", str(out)],
-                timeout=600)
+                 "--user-tokens", "20", "--reply-tokens", "8", "--kv", "f16", "--repeat", "2", "--json", str(out),
+                 "--peer-server", str(_stand_in_server(tmp_path, requests))], timeout=600)
     assert r.returncode == 0, r.stderr
     assert "ttft_ratio_recompute_over_localchat" in r.stdout  # the table and summary on stdout
     part = json.loads(out.read_text())["kv"]["f16"]
@@ -35,7 +35,17 @@ def test_bench_modes_evaluate_the_same_tokens(tmp_path):
         again = [turn(m, 4, k)["recomputed_tokens"] for m in ("resume", "raw")]
         assert again[0] == again[1] == turn("resume", 4)["recomputed_tokens"] - 1
     assert summary["last_turn_samples"] == 3
-    assert set(summary["ttft_last_turn_median_s"]) == {"localchat", "recompute", "raw"}
+    assert set(summary["ttft_last_turn_median_s"]) == {"localchat", "recompute", "raw", "server"}
+    # llama-server replays each turn, then holds the reply the conversation goes on with (its own may differ), so
+    # that its next turn, like localchat's and raw's, evaluates only what the turn adds
+    asked = [json.loads(line) for line in requests.read_text().splitlines()]
+    for k in range(4):
+        turn_asked, primed = asked[2 * k], asked[2 * k + 1]
+        assert (turn_asked["n_predict"], primed["n_predict"]) == (8, 1) and turn_asked["cache_prompt"]
+        assert primed["prompt"][:len(turn_asked["prompt"])] == turn_asked["prompt"]
+        assert len(primed["prompt"]) > len(turn_asked["prompt"])
+        if k < 3:
+            assert asked[2 * k + 2]["prompt"][:len(primed["prompt"])] == primed["prompt"]
     resume = summary["resume"]
     assert resume["chosen"] in ("restore", "re-prefill") and resume["tokens"] > 64
     assert resume["restore_first_token_s"] > resume["load_s"] > 0 and resume["reprefill_first_token_s"] > 0
@@ -89,6 +99,9 @@ class Handler(BaseHTTPRequestHandler):
         log.write(json.dumps(body) + "\\n"); log.flush()
         reply = {"content": "x", "timings": {"predicted_n": body["n_predict"], "predicted_ms": 2550.0}}
         data = json.dumps(reply).encode()
+        if body.get("stream"):
+            done = {"stop": True, "timings": {"prompt_n": 1, "prompt_ms": 1.0, "predicted_per_second": 100.0}}
+            data = b"data: " + json.dumps({"content": "x"}).encode() + b"\\n\\ndata: " + json.dumps(done).encode()
         self.send_response(200); self.send_header("Content-Length", str(len(data))); self.end_headers()
         self.wfile.write(data)
     def log_message(self, *args):
@@ -97,15 +110,21 @@ HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 '''
 
 
+def _stand_in_server(tmp_path, requests):
+    """No llama-server binary on this machine: a stand-in answering /completion as it does (streamed or not),
+    writing down what it is asked."""
+    fake = tmp_path / "llama-server"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c '{FAKE_SERVER}' {requests} \"$@\"\n")
+    fake.chmod(0o755)
+    return fake
+
+
 def test_decode_bench_at_the_default_sampling_draws_as_llama_server_does(tmp_path):
     out, requests = tmp_path / "sampled.json", tmp_path / "requests"
     # no llama-server binary on this machine: a stand-in answering /completion as it does, so what it is asked
     # (the rendered prompt, the profile's sampler settings, each round's seed) and the pairing are checked
-    fake = tmp_path / "llama-server"
-    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c '{FAKE_SERVER}' {requests} \"$@\"\n")
-    fake.chmod(0o755)
     r = run_cli(["bench", "--model", "demo", "--decode", "--sampling", "default", "--repeat", "2", "--reply-tokens",
-                 "32", "--json", str(out), "--peer-server", str(fake)], timeout=900)
+                 "32", "--json", str(out), "--peer-server", str(_stand_in_server(tmp_path, requests))], timeout=900)
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())["decode_sampled"]
     assert result["sampling"]["temperature"] == 0.7 and result["reply_tokens"] == 256

@@ -199,6 +199,9 @@ class Peers:
                 r = self.server.completion(prompt, max(len(reply), 1))
                 self.rows.append(Row("server", self.kv, i, len(prompt), r["prompt_n"], r["ttft_s"],
                                      r["prompt_ms"] / 1000, r["decode_tps"]))
+                # its cache to the reply the conversation goes on with (its own drew no penalties: it differs), so
+                # its next turn evaluates what localchat's does, not the reply too, as a client sending back its own
+                self.server.completion(prompt + reply, 1)
                 self.progress(f"llama-server {self.kv} turn {i}")
             except (OSError, RuntimeError, ValueError) as exc:
                 self.errors.append(f"llama-server: {exc}")
