@@ -167,20 +167,20 @@ PY
       --json "$OUT/seed-8b-q8_0-alone.json" > "$OUT/seed-8b-q8_0-alone.txt" 2> "$OUT/seed-8b-q8_0-alone.err"
     echo "seed bench, no peers, at $(( $(date +%s) - t0 )) s"
     ;;
-  verify52)  # after the fixes: the seed bench (f16, q8_0) against llama-server, turn_paths.py (q8_0), and the
-             # restore of base + segments against a whole state (turns 0.5 s apart: the restores are what is timed)
+  verify52)  # after the fixes: the seed bench (q8_0, f16) against llama-server, the restore of base + segments against
+             # a whole state (20 turns to ~21,000 tokens, 0.5 s apart: the restores are what is timed), turn_paths.py
     for kv in ${KVS:-q8_0 f16}; do
       timeout ${SEED_S:-120} python3 -m localchat bench --profile h200 --model $M/8b-gqa.gguf --kv $kv --repeat 5 \
         --peer-server $B/llama-server --json "$OUT/seed-8b-$kv.json" > "$OUT/seed-8b-$kv.txt" 2> "$OUT/seed-8b-$kv.err"
       echo "seed bench ($kv) at $(( $(date +%s) - t0 )) s"; grep -E "over_server|paths|resume:" "$OUT/seed-8b-$kv.txt"
     done
+    timeout ${WRITES_S:-150} python3 -X faulthandler scripts/kv_writes.py --profile h200 --model $M/8b-gqa.gguf \
+      --kv-type q8_0 --ctx 22528 --turns 20 --pause 0.5 --repeat 5 --out "$OUT/kv-restores-8b-q8_0.json" > /dev/null \
+      2> "$OUT/kv-restores-8b-q8_0.err"
+    echo "restores at $(( $(date +%s) - t0 )) s"; grep -o '"restore_[a-z]*_median_s": [0-9.]*' "$OUT/kv-restores-8b-q8_0.json"
     timeout 100 python3 -X faulthandler scripts/turn_paths.py --profile h200 --model $M/8b-gqa.gguf --kv-type q8_0 \
       --rounds 5 --out "$OUT/turn-paths-8b-q8_0.json" 2> "$OUT/turn-paths-8b-q8_0.err" | tr -d ' \n'; echo
     echo "turn paths at $(( $(date +%s) - t0 )) s"
-    timeout ${WRITES_S:-200} python3 -X faulthandler scripts/kv_writes.py --profile h200 --model $M/8b-gqa.gguf \
-      --kv-type q8_0 --ctx 22528 --turns 40 --pause 0.5 --repeat 5 --out "$OUT/kv-restores-8b-q8_0.json" > /dev/null \
-      2> "$OUT/kv-restores-8b-q8_0.err"
-    echo "restores at $(( $(date +%s) - t0 )) s"; grep -o '"restore_[a-z]*_median_s": [0-9.]*' "$OUT/kv-restores-8b-q8_0.json"
     ;;
   paths)  # where a turn after a rewind or a load spends its time, beside a natural turn (f16 and q8_0 KV)
     for kv in ${KVS:-f16 q8_0}; do
