@@ -114,7 +114,7 @@ def _first_token(engine: Engine, tokens: list[int], t0: float, sampler) -> tuple
 def _resume(rt: runtime.Runtime, ctl: Session, store: SessionDir) -> dict:
     """Drop the KV (as a new process would have none), time both ways back, then resume for real."""
     engine = rt.engine
-    greedy = engine.make_sampler(ctl.chat.settings.sampling)  # the chat's (temperature 0 here), see run_recompute
+    draw = engine.make_sampler(ctl.chat.settings.sampling)  # the chat's (temperature 0 here), see run_recompute
     window = ctl.chat.conv.window_tokens()
     ctl.save()  # as a clean exit does
     ctl.writer.wait()
@@ -123,7 +123,7 @@ def _resume(rt: runtime.Runtime, ctl: Session, store: SessionDir) -> dict:
     engine.prefill(window)
     engine.synchronize()  # a GPU's queued work included, as in the load's time
     prefill_s = time.perf_counter() - t0
-    _, reprefill_first = _first_token(engine, window, t0, greedy)
+    _, reprefill_first = _first_token(engine, window, t0, draw)
     engine.clear()
     ctl.chat.adopt(store.conversation())
     t0 = time.perf_counter()
@@ -134,7 +134,7 @@ def _resume(rt: runtime.Runtime, ctl: Session, store: SessionDir) -> dict:
     saved = read_saved(store.state)  # the base and the saves after it, as a resume reads them
     ctl.kv.load_saved(saved)
     load_s = time.perf_counter() - t0
-    _, restore_first = _first_token(engine, window, t0, greedy)
+    _, restore_first = _first_token(engine, window, t0, draw)
     ctl.note_restored()
     ctl.chat.ahead.drop_warm()  # the timed load replaced the KV that resume() had warmed
     ctl.chat.ahead.warm_next_head()
