@@ -151,7 +151,8 @@ def run_recompute(engine: Engine, sampling: SamplingConfig, prompts: list[list[i
                   kv: str, progress, ram: dict) -> list[Row]:
     """Also measures the decode path's host RAM beyond llama.cpp's buffers (no autosave here). Drawn as the chat
     draws (`sampling`, its penalties too): a greedy draw alone goes in llama.cpp's graph on a GPU, and the chat's
-    next turn would pay for moving it out again, as no user's turn does."""
+    next turn would pay for moving it out again, as no user's turn does. The penalties see what this sampler drew
+    before, not each prompt: its tokens may differ from the chat's, their cost does not."""
     rows = []
     engine.clear()
     engine.prefill(prompts[0][:8])  # llama.cpp's buffers are all allocated by the first decode

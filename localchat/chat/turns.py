@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from localchat.chat import compaction, official, overflow, replystream, tools, transcript
@@ -190,9 +190,6 @@ class Chat:
             TRACE.stamp("prefill_start")
             e.draw_with(self.tooling.first_sampler or self._sampler)  # the prompt's last logits made for the reply
             pre = self.prefill(prompt, sink.progress, sink.cancelled, sink.prefix, laid.stops)
-            queued_from = time.perf_counter()
-            e.synchronize()  # a GPU's queued work is the prefill's: its seconds include it, llama.cpp books it here
-            queued_s = time.perf_counter() - queued_from
             TRACE.stamp("prefill_end")
         except Cancelled:
             self.record(self.conv.add_reply("", [], cut=True))
@@ -200,7 +197,7 @@ class Chat:
             self.ahead.end_turn()
             return self.finish(st, t0, gen, inputs)
         self.ahead.credit(st, pre, laid.window_len, laid.head_len, laid.own_from, laid.canon_left)
-        st.prefill_s, st.first_diff = pre.seconds + queued_s, pre.first_diff
+        st.prefill_s, st.first_diff = pre.seconds, pre.first_diff
         prompt_eval = int(e.perf()["prompt_n"])
         opts = self._reply_options(sink)
         self.reply(len(prompt), gen, st, opts, self.tooling.first_sampler)
@@ -309,7 +306,7 @@ class Chat:
         stops = [n for n in stops if n < len(prompt) and e.common_prefix(prompt[:n]) < n]
         parts: list[PrefillResult] = []
         for n in [*stops, len(prompt)]:
-            parts.append(e.prefill(prompt[:n], progress=progress, cancelled=cancelled))
+            parts.append(_evaluated(e, prompt[:n], progress, cancelled))
             evaluated = sum(p.recomputed for p in parts)
             if n < len(prompt) and on_prefix is not None:
                 on_prefix(prompt[:n], sum(p.seconds for p in parts) * n / max(evaluated, 1))
@@ -420,3 +417,13 @@ def _count_compaction(st: TurnStats, done: compaction.Compacted) -> None:
     c = st.compaction
     c.compacted_tokens, c.summary_tokens, c.kept_tokens = done.folded_tokens, done.summary_tokens, done.kept_tokens
     c.compaction_s = round(done.seconds, 3)
+
+
+def _evaluated(e: Engine, prompt: list[int], progress: Progress | None,
+               cancelled: Callable[[], bool] | None) -> PrefillResult:
+    """e.prefill, its seconds taken once the work is done: a GPU's llama_decode returns once it is queued (the
+    restore chooser's prefill speed was 3x too fast on the H100), and llama.cpp books its counters here."""
+    pre = e.prefill(prompt, progress=progress, cancelled=cancelled)
+    queued_from = time.perf_counter()
+    e.synchronize()
+    return replace(pre, seconds=pre.seconds + time.perf_counter() - queued_from)

@@ -270,10 +270,12 @@ class Served:
             self._set_aside(prompt, keep=source)  # the KV moves on from the conversation it holds
         loaded = self._bring(source) if source is not None else 0
         stages.stamp("kv")
+        drawn = self._sampler(ask)
         try:
+            self.engine.draw_with(drawn[0])  # the prompt's last logits made for this reply's draw
             done = self.engine.prefill(prompt, cancelled=sink.cancelled)
             stages.stamp("prefill_queued")
-            answer = self._reply(ask, min(ask.max_tokens or room, room), stages.timed(sink), stages)
+            answer = self._reply(ask, min(ask.max_tokens or room, room), stages.timed(sink), stages, drawn)
             if answer.calls and unoffered_only(answer.calls, ask.tools):  # made up: the client could not run it
                 answer = self._answer_instead(ask, messages, answer, sink, Unoffered(answer.calls[0].name).text,
                                               "is not an offered tool")
@@ -282,6 +284,8 @@ class Served:
                                               Repeated(answer.calls[0].name, last=True).text,
                                               "repeats the call just answered")
         except Cancelled:  # the client went away: nothing to answer or keep
+            if ask.seed is not None:
+                free_sampler(drawn[0])  # _reply frees a seeded one; this never reached it
             return Answer(finish="cancelled", prompt_tokens=len(prompt))
         answer.prompt_tokens, answer.cached_tokens = len(prompt), done.cached
         answer.loaded_tokens = min(loaded, done.cached)
@@ -311,13 +315,19 @@ class Served:
         room = self.engine.n_ctx - len(prompt)
         if room < 1:
             return repeat
+        instead = replace(ask, tool_choice="none")
+        drawn = self._sampler(instead)
+        self.engine.draw_with(drawn[0])
         self.engine.prefill(prompt, cancelled=sink.cancelled)
-        answer = self._reply(replace(ask, tool_choice="none"), min(ask.max_tokens or room, room), sink)
+        answer = self._reply(instead, min(ask.max_tokens or room, room), sink, drawn=drawn)
         answer.completion_tokens += repeat.completion_tokens
         return answer
 
-    def _reply(self, ask: Ask, most: int, sink: TurnSink, stages: _Stages | None = None) -> Answer:
-        sampler, held = self._sampler(ask)
+    def _reply(self, ask: Ask, most: int, sink: TurnSink, stages: _Stages | None = None,
+               drawn: tuple[object, bool] | None = None) -> Answer:
+        """The reply, drawn by `drawn` (the sampler the prompt was evaluated for, and whether calls are held to a
+        grammar) or the request's own."""
+        sampler, held = drawn or self._sampler(ask)
         prime_sampler(sampler, self._sampling(ask), self.engine.tokens)
         gen = Generation(tokens=[])
         opts = replystream.ReplyOptions(

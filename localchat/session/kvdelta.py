@@ -265,12 +265,16 @@ def read_segments(path: Path, segments: list[Segment], places: list[list[Place]]
     with path.open("rb") as f, ThreadPoolExecutor(threads) as pool:
         reads = [read_placed_on(pool, into, f.fileno(), s.at, s.size, places[i], chunks[i], CRC32)
                  for i, s in enumerate(segments)]
-        for i, (s, chunk, digests) in enumerate(zip(segments, chunks, reads)):
-            crc = 0
-            for k, digest in enumerate(digests):
-                crc = crc32_combine(crc, int.from_bytes(digest, "big"), min(chunk, s.size - k * chunk))
-            if crc != s.crc:
-                raise Damaged(i)
+        try:
+            for i, (s, chunk, digests) in enumerate(zip(segments, chunks, reads)):
+                crc = 0
+                for k, digest in enumerate(digests):
+                    crc = crc32_combine(crc, int.from_bytes(digest, "big"), min(chunk, s.size - k * chunk))
+                if crc != s.crc:
+                    raise Damaged(i)
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # the chain ends here: the later segments' chunks are not read
+            raise
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
