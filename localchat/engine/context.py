@@ -330,7 +330,9 @@ class Engine(VocabText):
 
     def prefill(self, prompt: list[int], progress: Callable[[int, int], None] | None = None,
                 cancelled: Callable[[], bool] | None = None) -> PrefillResult:
-        """Make the KV hold `prompt`, evaluating only what it lacks; logits ready for the last token."""
+        """Make the KV hold `prompt`, evaluating only what it lacks; logits ready for the last token. Its seconds
+        are the work's, done: a GPU's llama_decode returns once the work is queued (the restore chooser took a
+        prefill speed 3x too fast from that on the H100), and llama.cpp books its counters here."""
         t0 = time.perf_counter()
         if len(prompt) > self.n_ctx:
             raise ModelError(f"the prompt ({len(prompt)} tokens) is larger than the context ({self.n_ctx})")
@@ -357,6 +359,7 @@ class Engine(VocabText):
             self.n_kv = pos
             if progress:
                 progress(pos - keep, len(prompt) - keep)
+        self.synchronize()
         return PrefillResult(keep, len(prompt) - keep, time.perf_counter() - t0, first_diff, refused)
 
     def common_prefix(self, tokens: list[int]) -> int:

