@@ -131,10 +131,13 @@ def test_undo_rewinds_the_kv_without_recomputing(ui):
     ui.say("Hello there")
     ui.settle()
     keep = ui.ctl.chat.conv.window_tokens()
-    assert ui.rt.engine.tokens[:len(keep)] == keep  # and after it, the next head evaluated ahead
+    warmed = list(ui.rt.engine.tokens)
+    assert warmed[:len(keep)] == keep and len(warmed) > len(keep)  # and after it, the next head evaluated ahead
     ui.say("Tell me a fact")
     assert "KV rewound, nothing recomputed" in ui.command("/undo")
-    assert ui.rt.engine.tokens == keep
+    assert ui.rt.engine.tokens[:len(keep)] == keep
+    ui.settle()  # the idle work lays the next head in again after the rewind, as after the first turn
+    assert ui.rt.engine.tokens == warmed
     st = ui.say("Tell me something else")
     assert st["turn"] == 2 and st["recomputed_tokens"] <= st["new_tokens"] + 1
 
