@@ -93,6 +93,24 @@ def test_two_turns_status_bar_and_ctrl_c_in_a_real_terminal(home, tmp_path, demo
         t.kill()
 
 
+def test_a_line_longer_than_the_terminal_stays_on_screen_once_after_enter(home, tmp_path, demo_path):
+    """The prompt erases itself at Enter and the chat writes the line back: every wrapped row of it goes, the
+    line is there once, whole, above the reply."""
+    t, read = start(home, tmp_path / "stats.jsonl", "--model", str(demo_path), "--max-tokens", "8")
+    line = "Tell me about " + " and ".join(f"river {i}" for i in range(40)) + "."  # 425 characters: 3 rows
+    try:
+        t.wait_for(lambda s: "/help for commands" in s and "\n>" in s)
+        t.keys(line, "Enter")
+        t.wait_for(lambda s: len(read()) == 1)
+        t.wait_for(lambda s: [x.rstrip() for x in s.splitlines() if x.strip()][-2:-1] == [">"])
+        rows = t.tmux("capture-pane", "-t", t.name, "-p", "-J").stdout.splitlines()  # wrapped rows joined
+        assert [r.rstrip() for r in rows].count("> " + line) == 1
+        assert sum("river 39" in r for r in rows) == 1
+        t.quit()
+    finally:
+        t.kill()
+
+
 def _typed_chat(home, tmp_path, name: str, *flags: str) -> tuple[list[dict], list[dict]]:
     """Two turns typed key by key in a real terminal, the second with an edit; (stats, transcript records)."""
     t, read = start(home, tmp_path / f"{name}.jsonl", "--model", "demo", "--max-tokens", "16", "--session", name,

@@ -27,7 +27,9 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.key_binding import KeyBindings
 from prompt_toolkit.output import Output
+from prompt_toolkit.renderer import print_formatted_text as write_fragments
 from prompt_toolkit.shortcuts import print_formatted_text
+from prompt_toolkit.styles import default_pygments_style, default_ui_style, merge_styles
 
 from localchat.chat.request import Request, TurnSink
 from localchat.chat.stats import TurnStats
@@ -89,6 +91,8 @@ class Repl:
         self.ended = False  # the chat could not go on (its model could not be loaded again): exit code 2
         self.ending = 0  # SIGHUP or SIGTERM asked the chat to end: the reply in flight stops, then the loop
         self.session: PromptSession = self._prompt_session()
+        self._echo_style = merge_styles([default_ui_style(), default_pygments_style(), STYLE])
+        self._echo_style.get_attrs_for_style_str("class:prompt")  # its rules compiled now, not at the first Enter
         self.session.default_buffer.on_text_changed += self._typed_changed
         self.typeahead = self._typeahead()  # the line typed while a reply streams, emptied for each
         self.typeahead.on_text_changed += self._typed_changed
@@ -144,7 +148,8 @@ class Repl:
 
         return PromptSession(history=_history(self.ctl), key_bindings=kb, multiline=False,
                              bottom_toolbar=self._toolbar, style=STYLE, input=self.input, output=self.output,
-                             refresh_interval=0.5, enable_history_search=False, enable_open_in_editor=True)
+                             refresh_interval=0.5, enable_history_search=False, enable_open_in_editor=True,
+                             erase_when_done=True)  # see _echo
 
     def print(self, text: str, style: str = "") -> None:
         print_formatted_text(FormattedText([(style, text)]), style=STYLE, output=self.output)
@@ -191,6 +196,15 @@ class Repl:
         self.view.show_thoughts = live.show_thoughts  # Ctrl-T during the reply sticks
         self.bar.phase, self.bar.notice = "", ""
         return future.result()
+
+    def _echo(self, line: str) -> None:
+        """The line sent, as the prompt showed it. The prompt erases itself at Enter instead of rendering its
+        last frame: that frame lays out every character again (3 ms for 150 typed tokens on a 2-core VM, more
+        for a paste) while the reply's first text waits for the loop. Written with a style compiled once:
+        print_formatted_text compiles its styles' rules at every call (1.2 ms)."""
+        app = self.session.app
+        write_fragments(app.output, [("class:prompt", "> "), ("", line + "\n")], self._echo_style,
+                        color_depth=app.color_depth)
 
     def print_fragments(self, fragments: list) -> None:
         print_formatted_text(FormattedText(fragments), style=STYLE, output=self.output)
@@ -271,6 +285,7 @@ class Repl:
                     pending = ""
                     continue
                 entered = self.entered or time.perf_counter()  # a batch of idle work in flight included
+                self._echo(line)
                 TRACE.stamp("prompt_returned")
                 self.picker.sent()
             pending = ""
