@@ -87,6 +87,28 @@ def test_decode_bench_measures_drafts_and_load_bench_reads_the_load(tmp_path):
     assert "decode with drafts from the conversation" in r.stdout and "busy background processes" in r.stdout
 
 
+def test_typing_bench_reads_the_message_ahead_through_the_terminal_ui(tmp_path):
+    """bench --typing drives the terminal UI's own code path: with read-ahead on, everything the turn evaluates
+    was evaluated before Enter; read-ahead changes when tokens are evaluated, never which; each turn traced."""
+    out = tmp_path / "typing.json"
+    r = run_cli(["bench", "--typing", "--model", "demo", "--turns", "3", "--system-tokens", "64", "--user-tokens",
+                 "24", "--paste-tokens", "120", "--reply-tokens", "8", "--repeat", "1", "--cps", "200",
+                 "--json", str(out)], timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = {row["case"]: row for row in json.loads(out.read_text())["typing"]["rows"]}
+    assert set(rows) == {"one word", "typed 150 tokens", "typed 150 tokens, read-ahead off", "paste 2000 + typed question",
+                         "paste 2000 + question, read-ahead off", "one word, line mode"}
+    for case in ("one word", "typed 150 tokens", "paste 2000 + typed question"):  # typed, then a pause, then Enter
+        row = rows[case]
+        assert row["read_ahead_tokens"] + row["idle_tokens"] >= row["recomputed_tokens"], row
+        stages = [name for name, _ in row["trace"]["stages"]]
+        assert stages.index("first_token") < stages.index("first_text") < stages.index("first_shown"), stages
+    for case in ("typed 150 tokens, read-ahead off", "paste 2000 + question, read-ahead off"):
+        assert rows[case]["read_ahead_tokens"] == 0
+    pasted, off = rows["paste 2000 + typed question"], rows["paste 2000 + question, read-ahead off"]
+    assert pasted["prompt_tokens"] == off["prompt_tokens"] and pasted["recomputed_tokens"] == off["recomputed_tokens"]
+
+
 FAKE_SERVER = '''import json, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 port = int(sys.argv[sys.argv.index("--port") + 1])

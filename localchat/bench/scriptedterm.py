@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -70,9 +71,20 @@ class ScriptedTerminal:
         return "\n".join(self.printed[n:])
 
     def quiet(self) -> None:
-        """Wait, as a reader would, until the work ahead is done."""
+        """Wait, as a reader would, until the work ahead is done: the keys sent read first, else the quiet of
+        before them would count (keys sent at once are read a moment later) and Enter would come mid-typing."""
         self._wait(lambda: self.repl.session.app.is_running)
+        self._keys_read()
         self.repl.scheduler.wait_quiet(600)
+
+    def _keys_read(self) -> None:
+        """The pipe emptied, then one pass of the UI thread's loop: the keys read are handled in the same pass."""
+        self._wait(lambda: not select.select([self.input.fileno()], [], [], 0)[0])
+        handled = threading.Event()
+        loop = self.repl.session.app.loop
+        if loop is not None:
+            loop.call_soon_threadsafe(handled.set)
+            self._wait(handled.is_set)
 
     def close(self) -> None:
         self.keys("\x04")
