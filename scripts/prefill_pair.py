@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import psutil
 
 from localchat import runtime
 from localchat.bench.modes import text_of
-from localchat.bench.peer import PeerServer
+from localchat.bench.peer import CPU_PEER_SERVER, PeerServer
 from localchat.bench.report import paired
 from localchat.engine import Engine
 
@@ -52,7 +51,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--model", default="qwen-coder-1.5b")
     ap.add_argument("--profile", default="cpu")
-    ap.add_argument("--server", default=os.path.expanduser("~/.cache/localchat-peers/bin/llama-server"))
+    ap.add_argument("--server", default=CPU_PEER_SERVER)
     args = ap.parse_args()
     profile = runtime.load_profile(args.profile, {"model": args.model})
     with runtime.open_runtime(profile, lambda _: None) as rt, PeerServer(args.server, rt.engine.config) as peer:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from localchat.engine import EngineConfig, cpu_has_amx
 
+CPU_PEER_SERVER = str(Path("~/.cache/localchat-peers/bin/llama-server").expanduser())  # scripts/cpu_peers.sh builds it
+
 
 def _free_port() -> int:
     with socket.socket() as s:
