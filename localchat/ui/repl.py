@@ -273,7 +273,7 @@ class Repl:
             if self.queued:  # sent with Enter while the last reply streamed: it goes now
                 line, entered = self.queued.pop(0), time.perf_counter()
                 TRACE.begin(entered)
-                self.print("> " + line, "class:prompt")
+                self._echo(line)  # as a typed line is shown
                 self.session.history.append_string(line)
             else:
                 self.scheduler.set_typed(pending)  # the prompt starts with what was typed during the reply
