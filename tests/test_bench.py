@@ -74,6 +74,7 @@ def test_decode_bench_measures_drafts_and_load_bench_reads_the_load(tmp_path):
         lb = part["llama_bench"]
         assert lb["over_llama_bench"] == {m: round(part["runs"][m][0] / 100.0, 3) for m in part["runs"]}
         assert lb["tg1_ms"] == 4.0 and f"-d {lb['depth']} " in calls.read_text() and lb["depth"] > 0
+        assert part["over_off"] == {m: round(part["runs"][m][0] / part["runs"]["off"][0], 3) for m in part["runs"]}
     assert repetitive["acceptance"]["on"] > 0.5  # the reply quotes the pasted notice: most drafts hold
     assert novel["reply_tokens"] == 256 and set(novel["decode_tps"]) == {"off", "auto", "on"}
     for part in (repetitive, novel):  # where greedy replies part, it is said (docs/profiles.md: Speed)

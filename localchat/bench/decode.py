@@ -105,7 +105,7 @@ def _workload_runs(rt: runtime.Runtime, modes: tuple[str, ...], text: str, repea
         "first_difference": {m: next((i for i, (a, b) in enumerate(zip(replies[m], replies["off"])) if a != b),
                                      None) for m in modes},
         "acceptance": {m: round(a / d, 3) if d else None for m, (d, a) in drafts.items()},
-        "over_off": {m: round(med[m] / med["off"], 3) for m in modes if med["off"]}}
+        "over_off": {m: paired(rates[m], rates["off"]) for m in modes}}  # each round's pair: the drift cancels
     if steady:  # the first step builds llama.cpp's one-token graph after the prompt's batches
         part["off_after_first_step_tps"] = round(statistics.median(steady), 1)
         part["off_first_step_ms"] = round(statistics.median(first_steps), 2)
