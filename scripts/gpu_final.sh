@@ -29,13 +29,32 @@
 #                                               # apart), decode_gap.py at both workloads' depths
 #   bash scripts/gpu_final.sh images OUTDIR    # the 8B shape with a random projector: an image's first and cached use
 #   bash scripts/gpu_final.sh mrope OUTDIR     # tiny models only: Qwen-VL's M-RoPE and Gemma 4's image placement against libmtmd
+#   bash scripts/gpu_final.sh carry OUTDIR     # the real built-in model in 57 MiB chunks, one call each (below); the
+#                                               # first call also starts the build in the background
+#   bash scripts/gpu_final.sh qwen OUTDIR      # the real built-in model, once carried: the seed bench (f16), bench
+#                                               # --typing against llama-server, --decode against llama-bench, then
+#                                               # --decode --sampling default against llama-server (STEPS picks)
 #   bash scripts/gpu_final.sh split OUTDIR     # two GPUs (nvidia-h200-x2): the 8B shape on one GPU, split by layer
 #                                               # and by row: plan per device, tokens, speeds, a session moved
 # A phase finds the build and the models of an earlier one on the same machine, else makes them.
 set -uo pipefail
 PHASE=$1; OUT=${2:-gpu-results}; mkdir -p "$OUT"
 t0=$(date +%s)
-case $PHASE in decode|document|statecost|writes|paths|diag52|verify52|split|split2|tools|ui|gap34|images|sampled|seed) export MODELS=${MODELS:-8b-gqa};; demo|mrope) export MODELS=${MODELS:-tiny};; esac
+# The model goes over as `split -b 57M -d -a 2 MODEL.gguf .carry/q.` made it (the device tool carries 64 MiB a call),
+# each call naming one chunk and .carry/sha256 (`sha256sum MODEL.gguf > .carry/sha256`); a warm machine keeps /tmp.
+QWEN=/tmp/qwen.gguf
+if [ "$PHASE" = carry ]; then
+  [ -f /tmp/lcgpu/env.sh ] || pgrep -f gpu_prepare.sh > /dev/null || MODELS=tiny setsid nohup bash scripts/gpu_prepare.sh \
+    > /tmp/lcgpu-prepare.log 2>&1 < /dev/null &
+  mkdir -p /tmp/qwen.parts && cp .carry/q.* /tmp/qwen.parts/ && ls /tmp/qwen.parts | tr '\n' ' '; echo
+  exit 0
+fi
+if [ "$PHASE" = qwen ] && [ ! -f $QWEN ]; then
+  cat /tmp/qwen.parts/q.* > $QWEN.part && echo "$(cut -d' ' -f1 .carry/sha256)  $QWEN.part" | sha256sum -c \
+    && mv $QWEN.part $QWEN || exit 1
+fi
+while pgrep -f gpu_prepare.sh > /dev/null; do sleep 2; done  # the build a carry call started
+case $PHASE in decode|document|statecost|writes|paths|diag52|verify52|split|split2|tools|ui|gap34|images|sampled|seed) export MODELS=${MODELS:-8b-gqa};; demo|mrope|qwen) export MODELS=${MODELS:-tiny};; esac
 # one model: the build and it fit with the runs (the demo phase brings its own)
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
@@ -213,6 +232,24 @@ PY
   mrope)  # Qwen-VL's M-RoPE and Gemma 4's placement on the card: the engine against libmtmd's own evaluation (#36)
     timeout 120 python3 scripts/mrope_check.py .gpu/vocab-smollm2.gguf --gpu-layers -1 | tee "$OUT/mrope-check.jsonl"
     echo "mrope at $(( $(date +%s) - t0 )) s"
+    ;;
+  qwen)  # the real built-in model (Qwen2.5-Coder-1.5B Q4_K_M): each step's files written as it ends
+    for step in ${STEPS:-seed typing decode sampled}; do
+      case $step in
+        seed) timeout 150 python3 -m localchat bench --profile h200 --model $QWEN --kv f16 --repeat 5 \
+                --peer-server $B/llama-server --json "$OUT/seed-qwen.json" > "$OUT/seed-qwen.txt" 2> "$OUT/seed-qwen.err"
+              grep -E "over_server|paths|resume:" "$OUT/seed-qwen.txt";;
+        typing) timeout ${TYPING_S:-240} python3 -m localchat bench --typing --profile h200 --model $QWEN \
+                  --repeat ${REPEAT:-3} --cps ${CPS:-60} --peer-server $B/llama-server --json "$OUT/typing-qwen.json" \
+                  > /dev/null 2> "$OUT/typing-qwen.err"; python3 scripts/trace_table.py "$OUT/typing-qwen.json";;
+        decode) timeout 150 python3 -m localchat bench --decode --profile h200 --model $QWEN --repeat 5 \
+                  --llama-bench $B/llama-bench --json "$OUT/decode-qwen.json" 2> "$OUT/decode-qwen.err" | tail -9;;
+        sampled) timeout 150 python3 -m localchat bench --decode --sampling default --profile h200 --model $QWEN \
+                   --repeat 5 --peer-server $B/llama-server --json "$OUT/sampled-qwen.json" 2> "$OUT/sampled-qwen.err" \
+                   | tail -6;;
+      esac
+      echo "qwen $step at $(( $(date +%s) - t0 )) s"
+    done
     ;;
   split)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the x2 machine's rule
