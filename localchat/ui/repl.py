@@ -198,10 +198,10 @@ class Repl:
         return future.result()
 
     def _echo(self, line: str) -> None:
-        """The line sent, as the prompt showed it. The prompt erases itself at Enter instead of rendering its
-        last frame: that frame lays out every character again (3 ms for 150 typed tokens on a 2-core VM, more
-        for a paste) while the reply's first text waits for the loop. Written with a style compiled once:
-        print_formatted_text compiles its styles' rules at every call (1.2 ms)."""
+        """The line sent (at the prompt, or queued during a reply), as the prompt shows a line. The prompt erases
+        itself at Enter instead of rendering its last frame: that frame lays out every character again (3 ms for
+        150 typed tokens on a 2-core VM, more for a paste) while the reply's first text waits for the loop. Written
+        with a style compiled once: print_formatted_text compiles its styles' rules at every call (1.2 ms)."""
         app = self.session.app
         write_fragments(app.output, [("class:prompt", "> "), ("", line + "\n")], self._echo_style,
                         color_depth=app.color_depth)
