@@ -44,8 +44,8 @@ t0=$(date +%s)
 # each call naming one chunk and .carry/sha256 (`sha256sum MODEL.gguf > .carry/sha256`); a warm machine keeps /tmp.
 QWEN=/tmp/qwen.gguf
 if [ "$PHASE" = carry ]; then
-  [ -f /tmp/lcgpu/env.sh ] || pgrep -f gpu_prepare.sh > /dev/null || MODELS=tiny setsid nohup bash scripts/gpu_prepare.sh \
-    > /tmp/lcgpu-prepare.log 2>&1 < /dev/null &
+  [ -f /tmp/lcgpu/env.sh ] || pgrep -f gpu_prepare.sh > /dev/null \
+    || MODELS=tiny setsid nohup bash scripts/gpu_prepare.sh > /tmp/lcgpu-prepare.log 2>&1 < /dev/null &
   mkdir -p /tmp/qwen.parts && cp .carry/q.* /tmp/qwen.parts/ && ls /tmp/qwen.parts | tr '\n' ' '; echo
   exit 0
 fi
@@ -186,9 +186,10 @@ PY
       --json "$OUT/seed-8b-q8_0-alone.json" > "$OUT/seed-8b-q8_0-alone.txt" 2> "$OUT/seed-8b-q8_0-alone.err"
     echo "seed bench, no peers, at $(( $(date +%s) - t0 )) s"
     ;;
-  verify52)  # after the fixes: the seed bench (q8_0, f16) against llama-server, the restore of base + segments against
-             # a whole state (20 turns to ~21,000 tokens, 0.5 s apart: the restores are what is timed), turn_paths.py
-    for kv in ${KVS:-q8_0 f16}; do
+  verify52)  # after the fixes: the seed bench (q8_0, f16; KVS= none) against llama-server, the restore of base +
+             # segments against a whole state (20 turns to ~21,000 tokens, 0.5 s apart: the restores are what is
+             # timed), turn_paths.py
+    for kv in ${KVS-q8_0 f16}; do
       timeout ${SEED_S:-120} python3 -m localchat bench --profile h200 --model $M/8b-gqa.gguf --kv $kv --repeat 5 \
         --peer-server $B/llama-server --json "$OUT/seed-8b-$kv.json" > "$OUT/seed-8b-$kv.txt" 2> "$OUT/seed-8b-$kv.err"
       echo "seed bench ($kv) at $(( $(date +%s) - t0 )) s"; grep -E "over_server|paths|resume:" "$OUT/seed-8b-$kv.txt"
