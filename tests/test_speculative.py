@@ -8,13 +8,14 @@ import math
 from collections import Counter
 
 import llama_cpp as lc
+import numpy as np
 import pytest
 
 from localchat.chat.request import TurnSink
 from localchat.chat.turns import Chat, ChatSettings
 from localchat.engine import Generation, SamplingConfig
 from localchat.engine.backend import SEQ
-from localchat.engine.sampling import drawer, is_greedy
+from localchat.engine.sampling import _chain, drawer, is_greedy, prime
 from localchat.engine.speculative import DRAFT_MAX, PRIOR, Speculation
 from localchat.runtime import chat_format
 from tests.conftest import make_engine, run_cli
@@ -275,6 +276,33 @@ def test_a_greedy_chain_draws_the_logits_first_maximum(demo_engine):
     for i in (0, 1, 2, 3, -1):
         assert draw(i) == lc.llama_sampler_sample(chain, e.ctx, i)
     e.clear()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_repeat_penalty_applied_to_the_recent_tokens_draws_as_llama_cpps_sampler(demo_engine, temperature):
+    """The penalty on the few recent tokens' logits (not a lookup per candidate) gives llama.cpp's tokens, draw
+    after draw as its window moves, at temperature 0 and sampling alike; the logits are left as they were."""
+    e = demo_engine
+    s = SamplingConfig(temperature=temperature, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.5,
+                       repeat_last_n=8, seed=7)
+    ours, reference = e.make_sampler(s), _chain(s, e.vocab, e.n_ctx)  # llama.cpp's chain, its penalty sampler first
+    draw = drawer(ours, e.ctx, e.vocab)
+    e.clear()
+    prompt = e.tokenize(NOTE, special=False)
+    e.prefill(prompt)
+    e._decode(e.tokenize(" The committee met on Monday", special=False), e.n_kv, want_logits=True, all_logits=True)
+    prime(ours, s, prompt)
+    prime(reference, s, prompt)
+    before = [logits_of(e, i) for i in range(5)]
+    drawn = [draw(i % 5) for i in range(40)]
+    assert drawn == [lc.llama_sampler_sample(reference, e.ctx, i % 5) for i in range(40)]
+    assert [logits_of(e, i) for i in range(5)] == before
+    assert len(set(drawn)) > 1  # the penalty moved the draw off the same few tokens
+    e.clear()
+
+
+def logits_of(e, i: int) -> list[float]:
+    return list(np.ctypeslib.as_array(lc.llama_get_logits_ith(e.ctx, i), shape=(lc.llama_vocab_n_tokens(e.vocab),)))
 
 
 def test_sliding_window_models_draft_only_with_the_full_cache(gemma_engine, gemma_path):

@@ -15,7 +15,7 @@ import time
 import llama_cpp as lc
 
 from localchat.engine.context import Engine
-from localchat.engine.sampling import drawer
+from localchat.engine.sampling import drawer, free_sampler
 from localchat.engine.stepcost import moving_average
 from localchat.engine.types import SamplingConfig
 from localchat.errors import ModelError
@@ -67,6 +67,6 @@ class DraftModel:
 
     def close(self) -> None:
         if self._greedy is not None:  # once: a runtime closed by /model is closed again at exit
-            lc.llama_sampler_free(self._greedy)
+            free_sampler(self._greedy)
             self._greedy = None
         self.engine.close()
