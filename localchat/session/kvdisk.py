@@ -346,11 +346,16 @@ class KVDisk:
         self.written += nbytes
         self.today = (writes.today(), writes.add(nbytes) or self.today[1] + nbytes)
 
-    def write_session(self, path: Path, payload: memoryview, tokens: list[int]) -> StateHeader:
+    def chained(self, path: Path) -> bool:
+        """Whether segments follow the session's base on disk, as the last save or restore left it."""
+        return self.chain is not None and self.chain.path == path and self.chain.segments > 0
+
+    def write_session(self, path: Path, payload: memoryview, tokens: list[int], whole: bool = False) -> StateHeader:
         """A session's save (the writer's thread): what changed since the last save, appended after its state as
-        a segment, where the layout can be cut and the segments stay within DELTAS_GROW of their base; else the
-        whole state, a new base (the segments after the old one dropped). The header the save now stands for."""
-        chain = self.chain if self.chain is not None and self.chain.path == path else None
+        a segment, where the layout can be cut and the segments stay within DELTAS_GROW of their base; else, or
+        where `whole`, the whole state, a new base (the segments after the old one dropped). The header the save
+        now stands for."""
+        chain = self.chain if not whole and self.chain is not None and self.chain.path == path else None
         if chain is not None:
             try:
                 header = self._append(chain, payload, tokens)

@@ -314,9 +314,9 @@ class Session:
             self.indexer = self.indexer or Indexer(self.rt.embedding)
             self.indexer.update(self.store.name)  # off the turn's path, on a thread of its own
 
-    def save(self) -> float:
-        """Copy the KV out of llama.cpp (this thread); hash and write it in the background.
-        Returns the copy time."""
+    def save(self, whole: bool = False) -> float:
+        """Copy the KV out of llama.cpp (this thread); hash and write it in the background (`whole`: as a new
+        base, not a segment after the old one). Returns the copy time."""
         if self.store is None:
             return 0.0
         self.flush_events()
@@ -329,7 +329,7 @@ class Session:
         store, kv, turns = self.store, self.kv, self.chat.conv.turns
 
         def job() -> None:
-            header = kv.write_session(store.state, payload, tokens)
+            header = kv.write_session(store.state, payload, tokens, whole)
             store.write_meta(kv.meta(store.name, time.time(), turns, header, store.read_meta()))
             kv.keep_measured_speeds()
             kv.prune(keep=store.state)
@@ -407,8 +407,12 @@ class Session:
 
     def close(self) -> None:
         self.flush_events()
-        if self.autosave and self.dirty:
-            self.save()  # the deferred KV goes to disk on the way out
+        # on the way out the deferred KV goes to disk, and a chain of segments becomes one base (within the day's
+        # write budget): the next resume reads one state, which restores faster than a base and its segments
+        store = self.store
+        rebase = store is not None and not self.kv.over_budget and (self.dirty or self.kv.chained(store.state))
+        if self.autosave and (self.dirty or rebase):
+            self.save(whole=rebase)
         if not self.writer.wait(timeout=120):
             self.report("localchat: autosave still running at exit; the previous save is kept")
         if self.indexer is not None:  # a search right after finds the last turn (else the next search indexes it)
