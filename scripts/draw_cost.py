@@ -1,7 +1,8 @@
 """What a token's draw costs on the host: the chat's draw (`make_sampler`, its repeat penalty applied to the
 recent tokens' logits) against llama.cpp's chain with its own penalty sampler (a lookup per candidate), at
-temperature 0 and at the default sampling, after the same prompt; both draw the same tokens (checked).
-Medians of --repeat draws each, in microseconds.
+temperature 0, at the default sampling, and at the default sampling under a grammar that takes every token (a
+tool step's draw, the chain's token checked against the grammar); after the same prompt, both draw the same
+tokens (checked). Medians of --repeat draws each, in microseconds.
 
 usage: python scripts/draw_cost.py MODEL.gguf [--gpu-layers 0] [--repeat 300]   (JSON)
 """
@@ -18,9 +19,11 @@ from collections.abc import Callable
 import llama_cpp as lc
 
 from localchat.engine import Engine, EngineConfig, SamplingConfig
-from localchat.engine.sampling import _chain, drawer, free_sampler, prime
+from localchat.engine.grammar import grammar_sampler
+from localchat.engine.sampling import Constrained, _chain, drawer, free_sampler, prime
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 4
+ANY_TEXT = "root ::= [^\\x00]*"
 
 
 def _median_us(draw: Callable[[], int], repeat: int) -> tuple[float, list[int]]:
@@ -32,14 +35,16 @@ def _median_us(draw: Callable[[], int], repeat: int) -> tuple[float, list[int]]:
     return round(statistics.median(times) * 1e6, 1), tokens
 
 
-def measure(e: Engine, s: SamplingConfig, prompt: list[int], repeat: int) -> dict[str, float | bool]:
-    ours, theirs = e.make_sampler(s), _chain(s, e.vocab, e.n_ctx)
+def measure(e: Engine, s: SamplingConfig, prompt: list[int], repeat: int, gbnf: str = "") -> dict[str, float | bool]:
+    ours = e.make_sampler(s, gbnf)
+    theirs = _chain(s, e.vocab, e.n_ctx) if not gbnf else \
+        Constrained(_chain(s, e.vocab, e.n_ctx), grammar_sampler(e.vocab, gbnf), stateless=False)
     try:
         prime(ours, s, prompt)
         prime(theirs, s, prompt)
-        draw = drawer(ours, e.ctx, e.vocab)
+        draw, reference = drawer(ours, e.ctx, e.vocab), drawer(theirs, e.ctx, e.vocab)
         ours_us, ours_tokens = _median_us(lambda: draw(-1), repeat)
-        theirs_us, theirs_tokens = _median_us(lambda: lc.llama_sampler_sample(theirs, e.ctx, -1), repeat)
+        theirs_us, theirs_tokens = _median_us(lambda: reference(-1), repeat)
     finally:
         free_sampler(ours)
         free_sampler(theirs)
@@ -58,10 +63,10 @@ def main() -> int:
         prompt = e.tokenize(PROMPT, special=False)
         e.prefill(prompt)
         out = {"model": args.model, "n_vocab": lc.llama_vocab_n_tokens(e.vocab), "repeat": args.repeat}
-        for name, temperature in (("greedy", 0.0), ("default", 0.7)):
+        for name, temperature, gbnf in (("greedy", 0.0, ""), ("default", 0.7, ""), ("grammar", 0.7, ANY_TEXT)):
             s = SamplingConfig(temperature=temperature, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1,
                                repeat_last_n=64, seed=1)  # the profiles' sampling
-            out[name] = measure(e, s, prompt, args.repeat)
+            out[name] = measure(e, s, prompt, args.repeat, gbnf)
     finally:
         e.close()
     json.dump(out, sys.stdout, indent=1)

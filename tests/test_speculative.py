@@ -278,14 +278,16 @@ def test_a_greedy_chain_draws_the_logits_first_maximum(demo_engine):
     e.clear()
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_the_repeat_penalty_applied_to_the_recent_tokens_draws_as_llama_cpps_sampler(demo_engine, temperature):
+@pytest.mark.parametrize("temperature,grammar", [(0.0, ""), (0.8, ""), (0.8, "root ::= [^\\x00]*")])
+def test_the_repeat_penalty_applied_to_the_recent_tokens_draws_as_llama_cpps_sampler(demo_engine, temperature,
+                                                                                      grammar):
     """The penalty on the few recent tokens' logits (not a lookup per candidate) gives llama.cpp's tokens, draw
-    after draw as its window moves, at temperature 0 and sampling alike; the logits are left as they were."""
+    after draw as its window moves, at temperature 0 and sampling alike, and under a grammar that takes them
+    (a tool step's draw); the logits are left as they were."""
     e = demo_engine
     s = SamplingConfig(temperature=temperature, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.5,
                        repeat_last_n=8, seed=7)
-    ours, reference = e.make_sampler(s), _chain(s, e.vocab, e.n_ctx)  # llama.cpp's chain, its penalty sampler first
+    ours, reference = e.make_sampler(s, grammar), _chain(s, e.vocab, e.n_ctx)  # llama.cpp's, its penalty first
     draw = drawer(ours, e.ctx, e.vocab)
     e.clear()
     prompt = e.tokenize(NOTE, special=False)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import ctypes
 import re
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import llama_cpp as lc
@@ -27,24 +28,23 @@ class Constrained:
 
     chain: object
     grammar: object
-    stateless: bool  # no penalties: the chain's own draw (which accepts its token) may be the first try
+    stateless: bool  # no DRY: the chain's own draw (which accepts its token) may be the first try
     triggers: tuple[re.Pattern[bytes], ...] = ()  # a lazy grammar's: free text until one of them matches
     probe: object | None = None  # the same grammar, not lazy: what a trigger's token would start is tried on a copy
     says_something: bool = False  # the reply does not end before it says something (a tool loop's after results)
+    penalty: RecentPenalty | None = None  # the repeat penalty, applied before the chain
 
 
-class Penalized:
-    """A sampler chain after the repeat penalty, the penalty applied here: llama.cpp's penalty sampler looks
-    every candidate up in its map of recent tokens (152k lookups a draw for Qwen's vocabulary: 0.65 of a
-    0.9 ms draw on 2 cores, and on a GPU the draw stands between two steps), where at most `last_n` logits
-    change. The same arithmetic on the same logits, so the same tokens."""
+class RecentPenalty:
+    """llama.cpp's repeat penalty, applied here: its penalty sampler looks every candidate up in its map of
+    recent tokens (152k lookups a draw for Qwen's vocabulary: 0.65 of a 0.9 ms draw on 2 cores, and on a GPU
+    the draw stands between two steps), where at most `last_n` logits change. The same float32 arithmetic on
+    the same logits, so the same tokens."""
 
-    def __init__(self, chain: object, last_n: int, repeat: float):
-        self.chain = chain  # llama.cpp's: DRY, top-k, top-p, min-p, temperature, the draw
+    def __init__(self, last_n: int, repeat: float):
         self.last_n, self.repeat = last_n, np.float32(repeat)
         self.recent: deque[int] = deque()
         self.counts: Counter[int] = Counter()
-        self.greedy = is_greedy(chain)
 
     def reset(self) -> None:
         self.recent.clear()
@@ -62,35 +62,57 @@ class Penalized:
                 del self.counts[old]
         self.recent.append(tok)
 
-    def draw(self, ctx: object, i: int, n_vocab: int) -> int:
-        """Output i's token: its logits penalized in place for the chain's draw, then put back."""
-        view = logits(ctx, i, n_vocab)
+    def apply(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The penalty on `values` (logits), in place; the tokens it changed and their values before."""
         ids = np.fromiter(self.counts, np.int64, len(self.counts))
-        kept = view[ids]
-        view[ids] = np.where(kept <= 0, kept * self.repeat, kept / self.repeat)  # float32, as llama.cpp's
+        kept = values[ids]
+        values[ids] = np.where(kept <= 0, kept * self.repeat, kept / self.repeat)  # float32, as llama.cpp's
+        return ids, kept
+
+    @contextmanager
+    def applied(self, values: np.ndarray) -> Iterator[None]:
+        """The penalty on llama.cpp's own logits for a draw, and put back after it."""
+        ids, kept = self.apply(values)
         try:
-            tok = int(view.argmax()) if self.greedy else int(lc.llama_sampler_sample(self.chain, ctx, i))
+            yield
         finally:
-            view[ids] = kept
-        self.accept(tok)
+            values[ids] = kept
+
+
+class Penalized:
+    """A sampler chain after a repeat penalty applied by `RecentPenalty`."""
+
+    def __init__(self, chain: object, penalty: RecentPenalty):
+        self.chain = chain  # llama.cpp's: DRY, top-k, top-p, min-p, temperature, the draw
+        self.penalty = penalty
+        self.greedy = is_greedy(chain)
+
+    def draw(self, ctx: object, i: int, n_vocab: int) -> int:
+        """Output i's token, drawn from its logits penalized in place."""
+        view = logits(ctx, i, n_vocab)
+        with self.penalty.applied(view):
+            tok = int(view.argmax()) if self.greedy else int(lc.llama_sampler_sample(self.chain, ctx, i))
+        self.penalty.accept(tok)
         return tok
 
 
 def make_sampler(s: SamplingConfig, vocab: object, n_ctx: int, grammar: object | None = None,
                  triggers: tuple[str, ...] = (), probe: object | None = None, says_something: bool = False) -> object:
-    """llama.cpp's sampler chain for these settings, in llama.cpp's own order: penalties, DRY, then
-    top-k, top-p, min-p, temperature and the draw (greedy at temperature 0); without a grammar, a repeat
-    penalty is applied by `Penalized` instead; with a `grammar` sampler, the two as one `Constrained` (lazy
-    from `triggers` on, `probe` being the same grammar from the start)."""
+    """The sampler for these settings, in llama.cpp's own order: the repeat penalty (`RecentPenalty`), then
+    llama.cpp's chain: DRY, top-k, top-p, min-p, temperature and the draw (greedy at temperature 0); with a
+    `grammar` sampler, the two as one `Constrained` (lazy from `triggers` on, `probe` being the same grammar
+    from the start)."""
+    chain = _chain(s, vocab, n_ctx, penalties=False)
+    penalty = RecentPenalty(s.repeat_last_n, s.repeat_penalty) if s.repeat_penalty != 1.0 else None
     if grammar is None:
-        chain = _chain(s, vocab, n_ctx, penalties=False)
-        return Penalized(chain, s.repeat_last_n, s.repeat_penalty) if s.repeat_penalty != 1.0 else chain
-    stateless = s.repeat_penalty == 1.0 and s.dry_multiplier <= 0
-    return Constrained(_chain(s, vocab, n_ctx), grammar, stateless, tuple(re.compile(t.encode()) for t in triggers),
-                       probe, says_something)
+        return Penalized(chain, penalty) if penalty is not None else chain
+    return Constrained(chain, grammar, s.dry_multiplier <= 0, tuple(re.compile(t.encode()) for t in triggers),
+                       probe, says_something, penalty)
 
 
 def _chain(s: SamplingConfig, vocab: object, n_ctx: int, penalties: bool = True) -> object:
+    """llama.cpp's chain for `s`; with `penalties`, its own repeat penalty first (what `RecentPenalty` is checked
+    against)."""
     chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
     if penalties and s.repeat_penalty != 1.0:
         n_vocab = lc.llama_vocab_n_tokens(vocab)
@@ -208,11 +230,16 @@ class _ConstrainedDraw:
 
     def candidates(self, i: int) -> lc.llama_token_data_array:
         self.view["id"], self.view["logit"], self.view["p"] = self.ids, logits(self.ctx, i, self.n_vocab), 0.0
+        if self.s.penalty is not None:
+            self.s.penalty.apply(self.view["logit"])  # on the candidates' own copy of the logits
         return lc.llama_token_data_array(self.data, self.n_vocab, -1, False)
 
     def first_try(self, i: int) -> int:
         if self.s.stateless:  # in C, the whole vocabulary; what it accepts changes nothing
-            return int(lc.llama_sampler_sample(self.s.chain, self.ctx, i))
+            if self.s.penalty is None:
+                return int(lc.llama_sampler_sample(self.s.chain, self.ctx, i))
+            with self.s.penalty.applied(logits(self.ctx, i, self.n_vocab)):
+                return int(lc.llama_sampler_sample(self.s.chain, self.ctx, i))
         arr = self.candidates(i)
         lc.llama_sampler_apply(self.s.chain, ctypes.byref(arr))
         return int(arr.data[arr.selected].id)
@@ -259,6 +286,8 @@ class _ConstrainedDraw:
         self.silent = self.silent and not _piece(self.vocab, tok).strip()
         if not s.stateless or refused:
             lc.llama_sampler_accept(s.chain, tok)
+        if s.penalty is not None:
+            s.penalty.accept(tok)
         if self.awaiting:
             self.text.extend(_piece(self.vocab, tok))
             self.awaiting = _trigger_at(s.triggers, bytes(self.text)) < 0
@@ -331,20 +360,21 @@ def logits(ctx: object, i: int, n_vocab: int) -> np.ndarray:
 
 
 def prime(chain: object, s: SamplingConfig, tokens: list[int]) -> None:
-    """Show the penalty samplers (the chain's first members) the context's last tokens, whatever was
-    sampled before: a turn samples the same after a resume, /undo or /retry as in one sitting, and the
-    penalties see the prompt, as llama-cli primes them. The draw's random state is left as it is."""
+    """Show the penalties (the repeat penalty, and DRY first in llama.cpp's chain) the context's last tokens,
+    whatever was sampled before: a turn samples the same after a resume, /undo or /retry as in one sitting,
+    and the penalties see the prompt, as llama-cli primes them. The draw's random state is left as it is."""
     windows = ([s.repeat_last_n] if s.repeat_penalty != 1.0 else []) + \
         ([len(tokens) if s.dry_penalty_last_n < 0 else s.dry_penalty_last_n] if s.dry_multiplier > 0 else [])
     if isinstance(chain, Constrained):
         lc.llama_sampler_reset(chain.grammar)  # a reply's grammar starts over (a lazy one waits for its trigger)
-        chain = chain.chain
-    if isinstance(chain, Penalized):
-        chain.reset()
-        for tok in tokens[len(tokens) - min(windows.pop(0), len(tokens)):]:
+    penalty = chain.penalty if isinstance(chain, Constrained | Penalized) else None
+    chain = chain.chain if isinstance(chain, Constrained | Penalized) else chain
+    if penalty is not None:  # applied here, not one of llama.cpp's chain
+        window = windows.pop(0)
+        penalty.reset()
+        for tok in tokens[len(tokens) - min(window, len(tokens)):]:
             if tok >= 0:
-                chain.accept(tok)
-        chain = chain.chain
+                penalty.accept(tok)
     for i, window in enumerate(windows):
         member = lc.llama_sampler_chain_get(chain, i)
         lc.llama_sampler_reset(member)
