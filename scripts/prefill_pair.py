@@ -14,9 +14,8 @@ import time
 
 import psutil
 
-from localchat import runtime
 from localchat.bench.modes import text_of
-from localchat.bench.peer import CPU_PEER_SERVER, PeerServer
+from localchat.bench.peer import CPU_PEER_SERVER, PeerServer, runtime_and_peer
 from localchat.bench.report import paired
 from localchat.engine import Engine
 
@@ -53,8 +52,7 @@ def main() -> None:
     ap.add_argument("--profile", default="cpu")
     ap.add_argument("--server", default=CPU_PEER_SERVER)
     args = ap.parse_args()
-    profile = runtime.load_profile(args.profile, {"model": args.model})
-    with runtime.open_runtime(profile, lambda _: None) as rt, PeerServer(args.server, rt.engine.config) as peer:
+    with runtime_and_peer(args.model, args.profile, args.server) as (rt, peer):
         engine = rt.engine
         text = text_of(engine, (args.depth + args.new) * 2, "history")
         prompt = engine.tokenize(text, special=False)[:args.depth + args.new]

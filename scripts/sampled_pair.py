@@ -11,7 +11,7 @@ import json
 
 from localchat import runtime
 from localchat.bench.decode import WORKLOADS
-from localchat.bench.peer import CPU_PEER_SERVER, PeerServer
+from localchat.bench.peer import CPU_PEER_SERVER, runtime_and_peer
 from localchat.bench.report import paired
 from localchat.bench.sampled import server_sampling, turn
 
@@ -25,8 +25,7 @@ def main() -> None:
     ap.add_argument("--profile", default="cpu")
     ap.add_argument("--server", default=CPU_PEER_SERVER)
     args = ap.parse_args()
-    profile = runtime.load_profile(args.profile, {"model": args.model})
-    with runtime.open_runtime(profile, lambda _: None) as rt, PeerServer(args.server, rt.engine.config) as peer:
+    with runtime_and_peer(args.model, args.profile, args.server) as (rt, peer):
         sampling, text = runtime.chat_settings(rt.profile).sampling, WORKLOADS[args.workload]
         chat, st = turn(rt, sampling, "off", text, 1)
         prompt = chat.conv.window_tokens()[:st.prompt_tokens]

@@ -7,11 +7,22 @@ import json
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from localchat import runtime
 from localchat.engine import EngineConfig, cpu_has_amx
 
 CPU_PEER_SERVER = str(Path("~/.cache/localchat-peers/bin/llama-server").expanduser())  # scripts/cpu_peers.sh builds it
+
+
+@contextmanager
+def runtime_and_peer(model: str, profile_name: str, server: str) -> Iterator[tuple[runtime.Runtime, PeerServer]]:
+    """A paired script's runtime, and llama-server (`server`) on the same model and settings."""
+    profile = runtime.load_profile(profile_name, {"model": model})
+    with runtime.open_runtime(profile, lambda _: None) as rt, PeerServer(server, rt.engine.config) as peer:
+        yield rt, peer
 
 
 def _free_port() -> int:
