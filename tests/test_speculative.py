@@ -15,7 +15,7 @@ from localchat.chat.request import TurnSink
 from localchat.chat.turns import Chat, ChatSettings
 from localchat.engine import Generation, SamplingConfig
 from localchat.engine.backend import SEQ
-from localchat.engine.sampling import _chain, drawer, is_greedy, prime
+from localchat.engine.sampling import _chain, drawer, is_greedy, logits, prime
 from localchat.engine.speculative import DRAFT_MAX, PRIOR, Speculation
 from localchat.runtime import chat_format
 from tests.conftest import make_engine, run_cli
@@ -295,16 +295,13 @@ def test_the_repeat_penalty_applied_to_the_recent_tokens_draws_as_llama_cpps_sam
     e._decode(e.tokenize(" The committee met on Monday", special=False), e.n_kv, want_logits=True, all_logits=True)
     prime(ours, s, prompt)
     prime(reference, s, prompt)
-    before = [logits_of(e, i) for i in range(5)]
+    n_vocab = lc.llama_vocab_n_tokens(e.vocab)
+    before = [logits(e.ctx, i, n_vocab).copy() for i in range(5)]
     drawn = [draw(i % 5) for i in range(40)]
     assert drawn == [lc.llama_sampler_sample(reference, e.ctx, i % 5) for i in range(40)]
-    assert [logits_of(e, i) for i in range(5)] == before
+    assert all(np.array_equal(logits(e.ctx, i, n_vocab), was) for i, was in enumerate(before))
     assert len(set(drawn)) > 1  # the penalty moved the draw off the same few tokens
     e.clear()
-
-
-def logits_of(e, i: int) -> list[float]:
-    return list(np.ctypeslib.as_array(lc.llama_get_logits_ith(e.ctx, i), shape=(lc.llama_vocab_n_tokens(e.vocab),)))
 
 
 def test_sliding_window_models_draft_only_with_the_full_cache(gemma_engine, gemma_path):
