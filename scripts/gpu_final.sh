@@ -30,7 +30,8 @@
 #   bash scripts/gpu_final.sh images OUTDIR    # the 8B shape with a random projector: an image's first and cached use
 #   bash scripts/gpu_final.sh mrope OUTDIR     # tiny models only: Qwen-VL's M-RoPE and Gemma 4's image placement against libmtmd
 #   bash scripts/gpu_final.sh carry OUTDIR     # the real built-in model in 57 MiB chunks, one call each (below); the
-#                                               # first call also starts the build in the background
+#                                               # first call also starts the build in the background (and the
+#                                               # MODELS it names: MODELS=8b-gqa for a lease that runs both)
 #   bash scripts/gpu_final.sh qwen OUTDIR      # the real built-in model, once carried: the seed bench (f16), bench
 #                                               # --typing against llama-server, --decode against llama-bench, then
 #                                               # --decode --sampling default against llama-server (STEPS picks)
@@ -45,7 +46,7 @@ t0=$(date +%s)
 QWEN=/tmp/qwen.gguf
 if [ "$PHASE" = carry ]; then
   [ -f /tmp/lcgpu/env.sh ] || pgrep -f gpu_prepare.sh > /dev/null \
-    || MODELS=tiny setsid nohup bash scripts/gpu_prepare.sh > /tmp/lcgpu-prepare.log 2>&1 < /dev/null &
+    || MODELS=${MODELS:-tiny} setsid nohup bash scripts/gpu_prepare.sh > /tmp/lcgpu-prepare.log 2>&1 < /dev/null &
   mkdir -p /tmp/qwen.parts && cp .carry/q.* /tmp/qwen.parts/ && ls /tmp/qwen.parts | tr '\n' ' '; echo
   exit 0
 fi

@@ -75,9 +75,39 @@ def _greedy(engine, tokens: list[int]) -> tuple[int, np.ndarray | None]:
     return gen.tokens[0], logits
 
 
+STAGES = (("kvdisk", "read_saved"), ("kvdelta", "parse"), ("kvdelta", "merged"), ("kvdelta", "placed"),
+          ("statefile", "read_payload_placed"), ("kvdelta", "read_segments"))
+
+
+def traced(engine, stages: dict[str, list[float]]) -> None:
+    """Each restore stage's seconds appended to `stages` under its name as it runs (a stage called several times a
+    restore, as parse is, adds up in its last entry until the next restore starts: see restores())."""
+    from localchat.session import kvdelta, kvdisk, statefile
+    modules = {"kvdisk": kvdisk, "kvdelta": kvdelta, "statefile": statefile}
+
+    def wrap(owner, name: str, key: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                stages[key][-1] += time.perf_counter() - t0
+        setattr(owner, name, timed)
+    for module, name in STAGES:
+        stages[name] = [0.0]
+        wrap(modules[module], name, name)
+    for name in ("staged", "load_state"):  # staged: the pinned buffer taken (the rest of laying out is "made")
+        stages[name] = [0.0]
+        wrap(engine, name, name)
+
+
 def restores(home: Path, args: argparse.Namespace) -> dict:
-    """The session's KV restored from a base of half of it and four segments, and from one whole state."""
+    """The session's KV restored from a base of half of it and four segments, and from one whole state; each
+    stage of the chained restores timed."""
     from localchat import runtime
+    from localchat.session import kvdisk
     from localchat.session.kvdisk import read_saved
     from localchat.session.lifecycle import Session
     from localchat.session.sessiondir import SessionDir
@@ -108,15 +138,22 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
     assert ctl.store is not None
     sessions = ctl.store.state  # the chain the chat itself left: its last base and the saves after it
     times: dict[str, list[float]] = {"deltas": [], "whole": [], "session": []}
+    stages: dict[str, list[float]] = {}
+    traced(engine, stages)
     next_tokens: dict[str, int] = {}
     logits: dict[str, np.ndarray | None] = {}
     for _ in range(args.repeat):
         for name, path in (("deltas", chained_path), ("whole", whole_path), ("session", sessions)):
             engine.clear()
+            for spent in stages.values():
+                spent.append(0.0)
             t0 = time.perf_counter()
-            saved = read_saved(path)  # timed too: a resume reads the segments' headers, then everything
+            saved = kvdisk.read_saved(path)  # timed too: a resume reads the segments' headers, then everything
             assert kv.load_saved(saved)
             times[name].append(time.perf_counter() - t0)
+            if name != "deltas":
+                for spent in stages.values():
+                    spent.pop()
             held = saved.tokens
             del saved
             if name not in next_tokens:
@@ -131,6 +168,7 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
             "restore_deltas_median_s": statistics.median(times["deltas"]),
             "restore_whole_median_s": statistics.median(times["whole"]),
             "restore_session_median_s": statistics.median(times["session"]),
+            "restore_deltas_stages_median_s": {k: round(statistics.median(v[1:]), 5) for k, v in stages.items()},
             # deltas against the live KV they were cut from; whole against the session's chain, both of the KV the
             # resume restored (the chain's last half was evaluated again, in other batches: its logits differ a little)
             "next_token": {**next_tokens, "live": live_token},

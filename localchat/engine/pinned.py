@@ -9,8 +9,8 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -74,13 +74,29 @@ def read_placed(into: memoryview, fd: int, offset: int, length: int, places: lis
     offset, not overlapping); with a `hasher`, every byte hashed as read_into does (those no place names are read
     only to be hashed) and each chunk's digest returned, in order."""
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        return list(read_placed_on(pool, into, fd, offset, length, places, chunk, hasher))
+        return digests(read_placed_on(pool, into, fd, offset, length, places, chunk, hasher))
+
+
+def digests(reads: list[Future[bytes]]) -> list[bytes]:
+    """The chunks' digests, in order; where one fails, the others settled first (their file and buffer must outlive
+    them)."""
+    try:
+        return [read.result() for read in reads]
+    finally:
+        settle(reads)
+
+
+def settle(reads: list[Future[bytes]]) -> None:
+    """The chunks not begun cancelled, those under way waited for."""
+    for read in reads:
+        read.cancel()
+    wait(reads)
 
 
 def read_placed_on(pool: Executor, into: memoryview, fd: int, offset: int, length: int, places: list[Place],
-                   chunk: int, hasher: Callable[[], Any] | None = None) -> Iterator[bytes]:
-    """read_placed's chunks handed to `pool` at once (several files' ranges can share its threads); their digests,
-    in order, as they are done."""
+                   chunk: int, hasher: Callable[[], Any] | None = None) -> list[Future[bytes]]:
+    """read_placed's chunks handed to `pool` at once (several files' ranges can share its threads): each chunk's
+    future digest, in order (settle() them before the file or `into` goes)."""
     starts = [p[0] for p in places]
 
     def one(start: int) -> bytes:
@@ -100,7 +116,7 @@ def read_placed_on(pool: Executor, into: memoryview, fd: int, offset: int, lengt
                     _read(scratch[:min(len(scratch), stop - piece)], fd, offset + piece, h)
             at = stop
         return bytes(h.digest()) if h is not None else b""
-    return pool.map(one, range(0, length, chunk))
+    return [pool.submit(one, start) for start in range(0, length, chunk)]
 
 
 def _read(view: memoryview, fd: int, at: int, h: Any) -> None:

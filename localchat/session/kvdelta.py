@@ -26,16 +26,16 @@ import os
 import struct
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from localchat.engine.pinned import Place, read_placed_on
+from localchat.engine.pinned import Place, read_placed_on, settle
 from localchat.fsutil import PRIVATE_FILE
-from localchat.session.statefile import chunk_hasher
+from localchat.session.statefile import READ_THREADS, chunk_hasher
 
 MAGIC = b"LCKD"
 VERSION = 1
@@ -256,25 +256,29 @@ def read(path: Path, base: str, check_payloads: bool = True) -> tuple[list[Segme
     return out, at, ""
 
 
-def read_segments(path: Path, segments: list[Segment], places: list[list[Place]], into: memoryview) -> None:
-    """Each segment's payload read from the deltas file where its `places` put it in `into`, in chunks on a pool of
-    threads (one thread's CRC-32 of a 180 MB segment took longer than the rest of a GPU's restore), its CRC checked
-    as it is read, the chunks' CRCs combined: Damaged for the first that fails it."""
-    threads = min(os.cpu_count() or 1, 16)
-    chunks = [max(READ_CHUNK, -(-s.size // threads)) for s in segments]
-    with path.open("rb") as f, ThreadPoolExecutor(threads) as pool:
+def read_segments(path: Path, segments: list[Segment], places: list[list[Place]], into: memoryview,
+                  pool: Executor | None = None) -> None:
+    """Each segment's payload read from the deltas file where its `places` put it in `into`, in chunks on `pool`'s
+    threads (the base's reads can share them) or a pool of its own (one thread's CRC-32 of a 180 MB segment took
+    longer than the rest of a GPU's restore), its CRC checked as it is read, the chunks' CRCs combined: Damaged for
+    the first that fails it."""
+    if pool is None:
+        with ThreadPoolExecutor(READ_THREADS) as own:
+            return read_segments(path, segments, places, into, own)
+    chunks = [max(READ_CHUNK, -(-s.size // READ_THREADS)) for s in segments]
+    with path.open("rb") as f:
         reads = [read_placed_on(pool, into, f.fileno(), s.at, s.size, places[i], chunks[i], CRC32)
                  for i, s in enumerate(segments)]
         try:
-            for i, (s, chunk, digests) in enumerate(zip(segments, chunks, reads)):
+            for i, (s, chunk, futures) in enumerate(zip(segments, chunks, reads)):
                 crc = 0
-                for k, digest in enumerate(digests):
-                    crc = crc32_combine(crc, int.from_bytes(digest, "big"), min(chunk, s.size - k * chunk))
+                for k, future in enumerate(futures):
+                    crc = crc32_combine(crc, int.from_bytes(future.result(), "big"), min(chunk, s.size - k * chunk))
                 if crc != s.crc:
                     raise Damaged(i)
-        except BaseException:
-            pool.shutdown(cancel_futures=True)  # the chain ends here: the later segments' chunks are not read
-            raise
+        finally:
+            for futures in reads:  # the chain ends at a damaged segment: the later chunks not begun are not read
+                settle(futures)
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:

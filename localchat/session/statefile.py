@@ -22,12 +22,12 @@ import os
 import struct
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from localchat.engine.pinned import Place, read_placed
+from localchat.engine.pinned import Place, digests, read_placed, read_placed_on
 
 MAGIC = b"LCKV"
 VERSION = 2
@@ -38,6 +38,7 @@ _HEADER_CRC = struct.Struct("<I")
 CHUNK = 32 << 20
 MIN_CHUNK = 1 << 20  # smaller chunks are refused: a header could ask for billions of them
 DIGEST = "crc32"  # what a chunk's digest is, for the files written now
+READ_THREADS = min(os.cpu_count() or 1, 16)  # a state is read in chunks on this many threads (reads let go of the GIL)
 
 
 class StateRejected(Exception):
@@ -112,7 +113,7 @@ def chunked_digest(view: memoryview, chunk: int, digest: str) -> str:
     parts = [view[i:i + chunk] for i in range(0, len(view), chunk)]
     if len(parts) <= 1:
         return hashlib.sha256(b"".join(map(one, parts))).hexdigest()
-    with ThreadPoolExecutor(min(len(parts), os.cpu_count() or 1, 16)) as pool:
+    with ThreadPoolExecutor(min(len(parts), READ_THREADS)) as pool:
         return hashlib.sha256(b"".join(pool.map(one, parts))).hexdigest()
 
 
@@ -218,17 +219,21 @@ def read_payload_into(path: Path, header: StateHeader, offset: int, into: memory
     return into
 
 
-def read_payload_placed(path: Path, header: StateHeader, offset: int, places: list[Place], into: memoryview) -> None:
+def read_payload_placed(path: Path, header: StateHeader, offset: int, places: list[Place], into: memoryview,
+                        pool: Executor | None = None) -> None:
     """The payload's runs read where `places` puts them in `into` (the rest only hashed), as read_payload_into
-    reads a whole one: StateRejected where its size or digest is not the header's."""
+    reads a whole one, on `pool`'s threads where given (another file's reads can share them), else on its own:
+    StateRejected where its size or digest is not the header's."""
     hasher = payload_hasher(header)
     try:
         with path.open("rb") as f:
             if os.fstat(f.fileno()).st_size != offset + header.payload_size:
                 raise StateRejected("state payload is truncated")
             chunk = header.payload_chunk or header.payload_size or 1
-            parts = read_placed(into, f.fileno(), offset, header.payload_size, places, chunk,
-                                min(os.cpu_count() or 1, 16), hasher)
+            parts = (digests(read_placed_on(pool, into, f.fileno(), offset, header.payload_size, places, chunk,
+                                            hasher))
+                     if pool is not None else read_placed(into, f.fileno(), offset, header.payload_size, places,
+                                                          chunk, READ_THREADS, hasher))
     except OSError as exc:
         raise StateRejected(f"cannot read the state file: {exc.strerror or exc}") from exc
     whole = hashlib.sha256(b"".join(parts)).hexdigest() if header.payload_chunk else (parts[0].hex() if parts else
