@@ -34,7 +34,8 @@
 #                                               # MODELS it names: MODELS=8b-gqa for a lease that runs both)
 #   bash scripts/gpu_final.sh qwen OUTDIR      # the real built-in model, once carried: the seed bench (f16), bench
 #                                               # --typing against llama-server, --decode against llama-bench, then
-#                                               # --decode --sampling default against llama-server (STEPS picks)
+#                                               # --decode --sampling default against llama-server, turn_paths.py
+#                                               # (STEPS picks: seed typing decode sampled paths)
 #   bash scripts/gpu_final.sh split OUTDIR     # two GPUs (nvidia-h200-x2): the 8B shape on one GPU, split by layer
 #                                               # and by row: plan per device, tokens, speeds, a session moved
 # A phase finds the build and the models of an earlier one on the same machine, else makes them.
@@ -244,6 +245,8 @@ PY
         typing) timeout ${TYPING_S:-240} python3 -m localchat bench --typing --profile h200 --model $QWEN \
                   --repeat ${REPEAT:-3} --cps ${CPS:-60} --peer-server $B/llama-server --json "$OUT/typing-qwen.json" \
                   > /dev/null 2> "$OUT/typing-qwen.err"; python3 scripts/trace_table.py "$OUT/typing-qwen.json";;
+        paths) timeout 100 python3 -X faulthandler scripts/turn_paths.py --profile h200 --model $QWEN --kv-type f16 \
+                 --rounds 5 --out "$OUT/turn-paths-qwen.json" 2> "$OUT/turn-paths-qwen.err" | tr -d ' \n'; echo;;
         decode) timeout 150 python3 -m localchat bench --decode --profile h200 --model $QWEN --repeat 5 \
                   --llama-bench $B/llama-bench --json "$OUT/decode-qwen.json" 2> "$OUT/decode-qwen.err" | tail -9;;
         sampled) timeout 150 python3 -m localchat bench --decode --sampling default --profile h200 --model $QWEN \

@@ -194,18 +194,27 @@ class TranscriptFile:
     def exists(self) -> bool:
         return self.path.exists()
 
-    def append(self, records: list[Record]) -> int:
-        """Append records and fsync, so a completed turn survives a crash right after. A torn last
-        line is cut off first and kept aside; returns its length in bytes (0: none cut)."""
+    def append(self, records: list[Record], sync: bool = True) -> int:
+        """Append records and fsync (`sync`; else sync() does it later), so a completed turn survives a crash
+        right after. A torn last line is cut off first and kept aside; returns its length in bytes (0: none cut)."""
         data = encode(records)
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, PRIVATE_FILE)
         try:
             torn = self._cut_torn_tail(fd)
             os.write(fd, data)
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         return torn
+
+    def sync(self) -> None:
+        """What append(sync=False) wrote made durable."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _cut_torn_tail(self, fd: int) -> int:
         size = os.fstat(fd).st_size

@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 
 def lower_priority(idle: bool = True) -> None:
@@ -79,3 +80,44 @@ class BackgroundWriter:
                     return False
                 self._cond.wait(left)
         return True
+
+
+_FSYNC = ThreadPoolExecutor(1, thread_name_prefix="localchat-fsync")  # one thread, started once: a start is 0.25 ms
+
+
+class DurableSoon:
+    """A file made durable (fsync) on a thread of its own while the chat goes on: the turn's message is written
+    before it is evaluated (a kill -9 from then on keeps it) and fsynced while llama.cpp evaluates the prompt,
+    which lets go of the GIL; the reply's first text waits for it (`before`). On the turn's path the fsync was
+    0.6 ms of a 1.5B model's 14 ms turn on an H100 machine, 1.4 ms on the 2-core VM."""
+
+    def __init__(self, failed: Callable[[OSError], None]):
+        self._failed = failed
+        self._pending: Future[None] | None = None
+
+    def start(self, sync: Callable[[], None]) -> None:
+        """`sync` run at once on the fsync thread (after the one before it is done)."""
+        self.wait()
+        self._pending = _FSYNC.submit(sync)
+
+    def wait(self) -> None:
+        """The pending fsync done; a failure told to `failed` (the records are written: only a power loss before
+        the next fsync could take them)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except OSError as exc:
+            self._failed(exc)
+
+    def before(self, text: Callable[[str], None] | None) -> Callable[[str], None] | None:
+        """`text` that waits for the pending fsync before it shows a piece."""
+        if text is None:
+            return None
+
+        def shown(piece: str) -> None:
+            if self._pending is not None:
+                self.wait()
+            text(piece)
+        return shown

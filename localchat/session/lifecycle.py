@@ -18,7 +18,7 @@ from localchat.chat.request import NO_INPUTS, QUIET, Request, TurnInputs, TurnSi
 from localchat.chat.stats import TurnStats
 from localchat.errors import ChatEnded, LocalchatError, SessionError
 from localchat.runtime import Runtime
-from localchat.session.background import BackgroundWriter
+from localchat.session.background import BackgroundWriter, DurableSoon
 from localchat.session.fingerprint import ModelHasher
 from localchat.session.kvdisk import GIB, SPACED_S, KVDisk, SavedWith
 from localchat.session.memory import Indexer
@@ -65,6 +65,8 @@ class Session:
         self._dirty = False  # turns whose KV is not on disk yet
         self._saved_relayouts = 0  # the history's official-form changes the saved state holds
         self.writer = BackgroundWriter(self._set_status)
+        self.message_synced = DurableSoon(lambda exc: self._set_status(f"failed: transcript not synced "
+                                                                       f"({exc.strerror})"))
         self.indexer: Indexer | None = None  # the search index follows the transcript (started with the first)
         self._next = NO_INPUTS  # what resume found, for the next turn to report
         self.bind(rt, prefix_store or store is not None)
@@ -154,16 +156,17 @@ class Session:
     # ------------------------------------------------------------ turns
     def turn(self, request: Request | str, sink: TurnSink = QUIET) -> TurnStats:
         """One exchange; the request's `started` (perf_counter) is when the user pressed Enter, for the TTFT. A
-        prefix loaded from disk is part of the wait for the first token. The user's message is on disk (fsynced)
-        before its reply starts: a kill -9 mid-reply keeps it."""
+        prefix loaded from disk is part of the wait for the first token. The user's message is written before it is
+        evaluated (a kill -9 from then on keeps it) and fsynced before its reply's first text is shown."""
         if self.ended:
             raise ChatEnded(f"the chat cannot go on: {self.ended}")
         request = Request(request) if isinstance(request, str) else request
         if request.started is None:
             request = replace(request, started=time.perf_counter())
         TRACE.stamp("turn_start")
-        # other programs may have started or stopped since the last turn (the terminal UI read it in idle time)
-        self.rt.refit_threads(fresh=THREADS_FRESH_S if self.background else 0.0)
+        # other programs may have started or stopped since the last turn: read again unless a reading is fresh (the
+        # terminal UI's idle time reads it; two /proc reads on the turn's path are 0.26 ms on an H100 machine)
+        self.rt.refit_threads(fresh=THREADS_FRESH_S)
         TRACE.stamp("threads_refit")
         cache, chat = self.prefix_cache, self.chat
         on_prefix = None
@@ -175,8 +178,11 @@ class Session:
                 tokens, seconds, names if len(tokens) > prefix_len else [])
         spec, draft = chat.speculation, self.rt.draft
         before = (spec.model_drafted if spec else 0, draft.evaluated if draft else 0)
-        st = self.chat.turn(replace(request, inputs=self._take_inputs()),
-                            replace(sink, prefix=on_prefix, message=self.flush_events))
+        try:
+            st = self.chat.turn(replace(request, inputs=self._take_inputs()),
+                                self._durable(replace(sink, prefix=on_prefix)))
+        finally:
+            self.message_synced.wait()
         st.decode.threads, st.decode.threads_batch = self.rt.engine.threads
         if spec and draft:  # what the draft model wrote, and evaluated to follow the context (rebuilds included)
             st.drafts.draft_model_tokens = spec.model_drafted - before[0]
@@ -187,7 +193,19 @@ class Session:
 
     def retry(self, sink: TurnSink = QUIET) -> TurnStats | None:
         """The last exchange again, as a new turn (None when there is none)."""
-        return self.chat.retry(self._take_inputs(), replace(sink, message=self.flush_events))
+        try:
+            return self.chat.retry(self._take_inputs(), self._durable(sink))
+        finally:
+            self.message_synced.wait()
+
+    def _durable(self, sink: TurnSink) -> TurnSink:
+        """`sink` whose message is written to the transcript before it is evaluated and fsynced beside the prefill,
+        the reply's first text shown once it is durable."""
+        return replace(sink, message=self._write_message, text=self.message_synced.before(sink.text))
+
+    def _write_message(self) -> None:
+        if self.flush_events(sync=False) and self.store is not None:
+            self.message_synced.start(self.store.sync_transcript)
 
     def _take_inputs(self) -> TurnInputs:
         """What the next turn is told, then forgotten: each is reported by one turn only."""
@@ -299,20 +317,23 @@ class Session:
         self._dirty = True
         self.flush_events()  # the transcript says so before any state with the new window is saved
 
-    def flush_events(self) -> None:
-        if self.store is not None and self.chat.events:
-            events = self.chat.take_events()
-            try:
-                torn = self.store.append(events)
-            except OSError as exc:
-                self.chat.keep_events(events)  # retried with the next turn
-                self._set_status(f"failed: transcript not written ({exc.strerror})")
-                return
-            if torn:
-                self.report(f"localchat: the transcript's last record was torn (a crash or a full disk); its "
-                            f"{torn} bytes were moved to {self.store.transcript.name}{transcript.TORN_SUFFIX}")
-            self.indexer = self.indexer or Indexer(self.rt.embedding)
-            self.indexer.update(self.store.name)  # off the turn's path, on a thread of its own
+    def flush_events(self, sync: bool = True) -> bool:
+        """The chat's new records appended to the transcript, fsynced unless `sync` is False; whether any were."""
+        if self.store is None or not self.chat.events:
+            return False
+        events = self.chat.take_events()
+        try:
+            torn = self.store.append(events, sync)
+        except OSError as exc:
+            self.chat.keep_events(events)  # retried with the next turn
+            self._set_status(f"failed: transcript not written ({exc.strerror})")
+            return False
+        if torn:
+            self.report(f"localchat: the transcript's last record was torn (a crash or a full disk); its "
+                        f"{torn} bytes were moved to {self.store.transcript.name}{transcript.TORN_SUFFIX}")
+        self.indexer = self.indexer or Indexer(self.rt.embedding)
+        self.indexer.update(self.store.name)  # off the turn's path, on a thread of its own
+        return True
 
     def save(self, whole: bool = False) -> float:
         """Copy the KV out of llama.cpp (this thread); hash and write it in the background (`whole`: as a new

@@ -88,7 +88,7 @@ class PrefixCache:
         yet, where loading beats prefilling what is missing; the tokens loaded (0: none), which the
         next turn is told of (`take_loaded`)."""
         engine, kv = self.kv.engine, self.kv
-        if kv.hasher.pending:
+        if kv.hasher.pending or not ends:  # a turn past the first with no new documents: nothing read from disk
             return 0
         held = engine.common_prefix(target)
         speeds = kv.speeds()

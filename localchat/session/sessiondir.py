@@ -97,9 +97,13 @@ class SessionDir:
             self._lock_fd = None
 
     # ------------------------------------------------------------ transcript
-    def append(self, records: list[dict[str, Any]]) -> int:
-        """Append and fsync transcript records; returns the bytes of a torn last line cut off first."""
-        return self._transcript.append(records)
+    def append(self, records: list[dict[str, Any]], sync: bool = True) -> int:
+        """Append and fsync (`sync`; else sync_transcript() later) transcript records; returns the bytes of a torn
+        last line cut off first."""
+        return self._transcript.append(records, sync)
+
+    def sync_transcript(self) -> None:
+        self._transcript.sync()
 
     def conversation(self) -> Conversation:
         return self._transcript.conversation()
