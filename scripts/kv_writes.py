@@ -1,7 +1,8 @@
 """KV deltas, measured: a scripted chat in line mode (the real CLI, autosave on) growing to near its context; the
 bytes its saves wrote (meta.json's kv_written) against the final state's size and against whole saves every turn
 (each turn's state, as the autosave before deltas wrote it); then the final KV restored from its base and segments
-against the same KV restored from one whole state (medians of --repeat, alternated, in a process of their own).
+against the same KV restored from one whole state (medians of --repeat, alternated, in a process of their own),
+each restore timed by stage (`restore_stages_median_s`).
 
     python scripts/kv_writes.py [--model demo] [--profile cpu] [--kv-type f16] [--ctx 8192] [--turns 40]
                                 [--repeat 5] [--out FILE]"""
@@ -76,16 +77,16 @@ def _greedy(engine, tokens: list[int]) -> tuple[int, np.ndarray | None]:
 
 
 STAGES = (("kvdisk", "read_saved"), ("kvdelta", "parse"), ("kvdelta", "merged"), ("kvdelta", "placed"),
-          ("statefile", "read_payload_placed"), ("kvdelta", "read_segments"))
+          ("statefile", "read_payload"), ("statefile", "read_payload_placed"), ("kvdelta", "read_segments"))
 
 
-def traced(engine, stages: dict[str, list[float]]) -> None:
-    """Each restore stage's seconds appended to `stages` under its name as it runs (a stage called several times a
-    restore, as parse is, adds up in its last entry until the next restore starts: see restores())."""
+def traced(engine, spent: dict[str, float]) -> list[str]:
+    """Each restore stage's seconds added to `spent` under its name as it runs (overlapping stages, as the base's
+    and the segments' reads are, each count whole); the stages' names."""
     from localchat.session import kvdelta, kvdisk, statefile
     modules = {"kvdisk": kvdisk, "kvdelta": kvdelta, "statefile": statefile}
 
-    def wrap(owner, name: str, key: str) -> None:
+    def wrap(owner, name: str) -> None:
         inner = getattr(owner, name)
 
         def timed(*a, **k):
@@ -93,14 +94,13 @@ def traced(engine, stages: dict[str, list[float]]) -> None:
             try:
                 return inner(*a, **k)
             finally:
-                stages[key][-1] += time.perf_counter() - t0
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
         setattr(owner, name, timed)
     for module, name in STAGES:
-        stages[name] = [0.0]
-        wrap(modules[module], name, name)
-    for name in ("staged", "load_state"):  # staged: the pinned buffer taken (the rest of laying out is "made")
-        stages[name] = [0.0]
-        wrap(engine, name, name)
+        wrap(modules[module], name)
+    for name in ("staged", "load_state"):  # staged: the pinned buffer taken
+        wrap(engine, name)
+    return [name for _, name in STAGES] + ["staged", "load_state"]
 
 
 def restores(home: Path, args: argparse.Namespace) -> dict:
@@ -138,22 +138,20 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
     assert ctl.store is not None
     sessions = ctl.store.state  # the chain the chat itself left: its last base and the saves after it
     times: dict[str, list[float]] = {"deltas": [], "whole": [], "session": []}
-    stages: dict[str, list[float]] = {}
-    traced(engine, stages)
+    spent: dict[str, float] = {}  # the restore in flight's seconds by stage
+    names = traced(engine, spent)
+    stages: dict[str, list[dict[str, float]]] = {name: [] for name in times}
     next_tokens: dict[str, int] = {}
     logits: dict[str, np.ndarray | None] = {}
     for _ in range(args.repeat):
         for name, path in (("deltas", chained_path), ("whole", whole_path), ("session", sessions)):
             engine.clear()
-            for spent in stages.values():
-                spent.append(0.0)
+            spent.clear()
             t0 = time.perf_counter()
             saved = kvdisk.read_saved(path)  # timed too: a resume reads the segments' headers, then everything
             assert kv.load_saved(saved)
             times[name].append(time.perf_counter() - t0)
-            if name != "deltas":
-                for spent in stages.values():
-                    spent.pop()
+            stages[name].append(dict(spent))
             held = saved.tokens
             del saved
             if name not in next_tokens:
@@ -168,7 +166,8 @@ def restores(home: Path, args: argparse.Namespace) -> dict:
             "restore_deltas_median_s": statistics.median(times["deltas"]),
             "restore_whole_median_s": statistics.median(times["whole"]),
             "restore_session_median_s": statistics.median(times["session"]),
-            "restore_deltas_stages_median_s": {k: round(statistics.median(v[1:]), 5) for k, v in stages.items()},
+            "restore_stages_median_s": {kind: {stage: round(statistics.median(r.get(stage, 0.0) for r in rows), 5)
+                                               for stage in names} for kind, rows in stages.items()},
             # deltas against the live KV they were cut from; whole against the session's chain, both of the KV the
             # resume restored (the chain's last half was evaluated again, in other batches: its logits differ a little)
             "next_token": {**next_tokens, "live": live_token},
