@@ -297,15 +297,18 @@ def test_the_message_is_on_disk_before_it_is_evaluated_and_fsynced_before_its_re
             time.sleep(1.0)
         events.append(("fsync", path))
 
+    sent = [""]
+
     def prefill(*args, **kw):
-        events.append(("prefill", "heliotrope" in store.transcript.read_text()))
+        events.append(("prefill", json.dumps(sent[0]) in store.transcript.read_text()))
         return real_prefill(*args, **kw)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(rt.chat, "prefill", prefill)
     try:
         for word in ("heliotrope", "heliotrope again"):
             events.clear()
-            ctl.turn(f"Remember the word {word}.", TurnSink(text=lambda piece: events.append(("text", piece))))
+            sent[0] = f"Remember the word {word}."
+            ctl.turn(sent[0], TurnSink(text=lambda piece: events.append(("text", piece))))
             ctl.after_turn(rt.chat.turn_stats[-1])
             kinds = [kind for kind, _ in events]
             assert ("prefill", True) in events and ("prefill", False) not in events
