@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from localchat.engine.pinned import Place, digests, read_placed, read_placed_on
+from localchat.engine.pinned import Place, digests, read_placed_on
 
 MAGIC = b"LCKV"
 VERSION = 2
@@ -224,16 +224,16 @@ def read_payload_placed(path: Path, header: StateHeader, offset: int, places: li
     """The payload's runs read where `places` puts them in `into` (the rest only hashed), as read_payload_into
     reads a whole one, on `pool`'s threads where given (another file's reads can share them), else on its own:
     StateRejected where its size or digest is not the header's."""
+    if pool is None:
+        with ThreadPoolExecutor(READ_THREADS) as own:
+            return read_payload_placed(path, header, offset, places, into, own)
     hasher = payload_hasher(header)
     try:
         with path.open("rb") as f:
             if os.fstat(f.fileno()).st_size != offset + header.payload_size:
                 raise StateRejected("state payload is truncated")
             chunk = header.payload_chunk or header.payload_size or 1
-            parts = (digests(read_placed_on(pool, into, f.fileno(), offset, header.payload_size, places, chunk,
-                                            hasher))
-                     if pool is not None else read_placed(into, f.fileno(), offset, header.payload_size, places,
-                                                          chunk, READ_THREADS, hasher))
+            parts = digests(read_placed_on(pool, into, f.fileno(), offset, header.payload_size, places, chunk, hasher))
     except OSError as exc:
         raise StateRejected(f"cannot read the state file: {exc.strerror or exc}") from exc
     whole = hashlib.sha256(b"".join(parts)).hexdigest() if header.payload_chunk else (parts[0].hex() if parts else
