@@ -47,6 +47,9 @@ MACHINES = {
                    2.0, 1.95, 3.29, True),
     "H200, 8b-gqa": ({1: 1, 2: 1.138, 3: 1.321, 4: 1.543, 5: 1.707, 6: 1.895, 7: 2.087, 8: 2.278, 9: 2.047},
                      0.2, 0.2, 0.51, True),
+    # the engine's own fit after six sampled replies of each workload (scripts/step_costs.py on an H100:
+    # docs/data/gpu/stepcost-qwen-h100-20261206d.jsonl)
+    "H100, qwen 1.5B": ({1: 1, 2: 1.4, 3: 1.58, 4: 1.75, 5: 1.92, 6: 2.09, 7: 2.26, 8: 2.43}, 0.5, 0.5, 1.0, True),
 }
 
 

@@ -230,12 +230,12 @@ class KVDisk:
             for at, piece in made:
                 into[at:at + len(piece)] = piece
             # the base's and the segments' bytes read straight to their places at once, hashed as they are read, on
-            # one pool of threads (a pool each put twice the cores to work)
-            with ThreadPoolExecutor(statefile.READ_THREADS) as pool, ThreadPoolExecutor(1) as side:
-                base_read = side.submit(statefile.read_payload_placed, saved.path, saved.header, saved.offset,
-                                        runs[0], into, pool)
-                kvdelta.read_segments(path_of_deltas(saved.path), saved.segments, runs[1:], into, pool)
-                base_read.result()
+            # one pool of threads (a pool each put twice the cores to work), the base's large chunks queued first
+            with ThreadPoolExecutor(statefile.READ_THREADS) as pool:
+                statefile.read_payload_placed(
+                    saved.path, saved.header, saved.offset, runs[0], into, pool,
+                    beside=lambda: kvdelta.read_segments(path_of_deltas(saved.path), saved.segments, runs[1:], into,
+                                                         pool))
             return self.engine.load_state(into, saved.tokens)
 
     @contextmanager

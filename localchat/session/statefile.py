@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from localchat.engine.pinned import Place, digests, read_placed_on
+from localchat.engine.pinned import Place, digests, read_placed_on, settle
 
 MAGIC = b"LCKV"
 VERSION = 2
@@ -220,20 +220,28 @@ def read_payload_into(path: Path, header: StateHeader, offset: int, into: memory
 
 
 def read_payload_placed(path: Path, header: StateHeader, offset: int, places: list[Place], into: memoryview,
-                        pool: Executor | None = None) -> None:
+                        pool: Executor | None = None, beside: Callable[[], None] | None = None) -> None:
     """The payload's runs read where `places` puts them in `into` (the rest only hashed), as read_payload_into
-    reads a whole one, on `pool`'s threads where given (another file's reads can share them), else on its own:
-    StateRejected where its size or digest is not the header's."""
+    reads a whole one, on `pool`'s threads where given, else on its own: StateRejected where its size or digest is
+    not the header's. `beside` runs once the payload's chunks are queued: another file's reads queued behind them on
+    the same threads (the largest chunks first, so that no thread is left with a large one at the end)."""
     if pool is None:
         with ThreadPoolExecutor(READ_THREADS) as own:
-            return read_payload_placed(path, header, offset, places, into, own)
+            return read_payload_placed(path, header, offset, places, into, own, beside)
     hasher = payload_hasher(header)
     try:
         with path.open("rb") as f:
             if os.fstat(f.fileno()).st_size != offset + header.payload_size:
                 raise StateRejected("state payload is truncated")
             chunk = header.payload_chunk or header.payload_size or 1
-            parts = digests(read_placed_on(pool, into, f.fileno(), offset, header.payload_size, places, chunk, hasher))
+            reads = read_placed_on(pool, into, f.fileno(), offset, header.payload_size, places, chunk, hasher)
+            try:
+                if beside is not None:
+                    beside()
+            except BaseException:
+                settle(reads)  # the file and `into` outlive the reads under way
+                raise
+            parts = digests(reads)
     except OSError as exc:
         raise StateRejected(f"cannot read the state file: {exc.strerror or exc}") from exc
     whole = hashlib.sha256(b"".join(parts)).hexdigest() if header.payload_chunk else (parts[0].hex() if parts else
