@@ -205,9 +205,10 @@ def test_a_restore_reads_the_base_and_segments_straight_to_their_places(home, de
     (no copy of either in between), checked as it is read: the state llama.cpp gets is byte for byte the one
     the segments describe and the live KV's, after a rewind into the base too (V rows, and V transposed). Each
     segment is read in chunks on several threads, its CRC made of theirs: a byte flipped in a segment's last
-    chunk is found, the segment named."""
+    chunk is found, the segment named; a deltas file gone before it is read is a state refused in one line."""
     from localchat import runtime
     from localchat.session.kvdisk import path_of_deltas, read_saved
+    from localchat.session.statefile import StateRejected
 
     monkeypatch.setattr(kvdelta, "READ_CHUNK", 4096)  # segments of a few MB in several chunks
     from localchat.session.lifecycle import Session
@@ -243,6 +244,10 @@ def test_a_restore_reads_the_base_and_segments_straight_to_their_places(home, de
         with pytest.raises(kvdelta.Damaged) as found:
             kv.load_saved(read_saved(state))
         assert found.value.index == len(saved.segments) - 1
+        saved = read_saved(state)
+        path_of_deltas(state).unlink()  # gone between the resume's look at the chain and its read
+        with pytest.raises(StateRejected, match="cannot read the KV deltas"):  # a rebuild follows, no crash
+            kv.load_saved(saved)
     finally:
         ctl.close()
         rt.close()

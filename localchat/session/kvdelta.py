@@ -35,7 +35,7 @@ import numpy as np
 
 from localchat.engine.pinned import Place, read_placed_on, settle
 from localchat.fsutil import PRIVATE_FILE
-from localchat.session.statefile import READ_THREADS, chunk_hasher
+from localchat.session.statefile import READ_THREADS, StateRejected, chunk_hasher
 
 MAGIC = b"LCKD"
 VERSION = 1
@@ -261,24 +261,27 @@ def read_segments(path: Path, segments: list[Segment], places: list[list[Place]]
     """Each segment's payload read from the deltas file where its `places` put it in `into`, in chunks on `pool`'s
     threads (the base's reads can share them) or a pool of its own (one thread's CRC-32 of a 180 MB segment took
     longer than the rest of a GPU's restore), its CRC checked as it is read, the chunks' CRCs combined: Damaged for
-    the first that fails it."""
+    the first that fails it; StateRejected where the file cannot be read."""
     if pool is None:
         with ThreadPoolExecutor(READ_THREADS) as own:
             return read_segments(path, segments, places, into, own)
     chunks = [max(READ_CHUNK, -(-s.size // READ_THREADS)) for s in segments]
-    with path.open("rb") as f:
-        reads = [read_placed_on(pool, into, f.fileno(), s.at, s.size, places[i], chunks[i], CRC32)
-                 for i, s in enumerate(segments)]
-        try:
-            for i, (s, chunk, futures) in enumerate(zip(segments, chunks, reads)):
-                crc = 0
-                for k, future in enumerate(futures):
-                    crc = crc32_combine(crc, int.from_bytes(future.result(), "big"), min(chunk, s.size - k * chunk))
-                if crc != s.crc:
-                    raise Damaged(i)
-        finally:
-            for futures in reads:  # the chain ends at a damaged segment: the later chunks not begun are not read
-                settle(futures)
+    try:
+        with path.open("rb") as f:
+            reads = [read_placed_on(pool, into, f.fileno(), s.at, s.size, places[i], chunks[i], CRC32)
+                     for i, s in enumerate(segments)]
+            try:
+                for i, (s, chunk, futures) in enumerate(zip(segments, chunks, reads)):
+                    crc = 0
+                    for k, future in enumerate(futures):
+                        crc = crc32_combine(crc, int.from_bytes(future.result(), "big"), min(chunk, s.size - k * chunk))
+                    if crc != s.crc:
+                        raise Damaged(i)
+            finally:
+                for futures in reads:  # the chain ends at a damaged segment: the later chunks not begun are not read
+                    settle(futures)
+    except OSError as exc:  # gone or cut short since its headers were read
+        raise StateRejected(f"cannot read the KV deltas: {exc.strerror or exc}") from exc
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
