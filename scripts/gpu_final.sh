@@ -46,8 +46,12 @@ t0=$(date +%s)
 # each call naming one chunk and .carry/sha256 (`sha256sum MODEL.gguf > .carry/sha256`); a warm machine keeps /tmp.
 QWEN=/tmp/qwen.gguf
 if [ "$PHASE" = carry ]; then
-  [ -f /tmp/lcgpu/env.sh ] || pgrep -f gpu_prepare.sh > /dev/null \
-    || MODELS=${MODELS:-tiny} setsid nohup bash scripts/gpu_prepare.sh > /tmp/lcgpu-prepare.log 2>&1 < /dev/null &
+  # the build's pid in a file: `pgrep -f gpu_prepare.sh` also finds any command line that names the script (a
+  # device call's own `bash -c '... gpu_prepare.sh ...; gpu_final.sh seed'` waited on itself to its time limit)
+  if [ ! -f /tmp/lcgpu/env.sh ] && ! kill -0 "$(cat /tmp/lcgpu-prepare.pid 2>/dev/null)" 2>/dev/null; then
+    MODELS=${MODELS:-tiny} setsid nohup bash scripts/gpu_prepare.sh > /tmp/lcgpu-prepare.log 2>&1 < /dev/null &
+    echo $! > /tmp/lcgpu-prepare.pid
+  fi
   mkdir -p /tmp/qwen.parts && cp .carry/q.* /tmp/qwen.parts/ && ls /tmp/qwen.parts | tr '\n' ' '; echo
   exit 0
 fi
@@ -55,7 +59,7 @@ if [ "$PHASE" = qwen ] && [ ! -f $QWEN ]; then
   cat /tmp/qwen.parts/q.* > $QWEN.part && echo "$(cut -d' ' -f1 .carry/sha256)  $QWEN.part" | sha256sum -c \
     && mv $QWEN.part $QWEN || exit 1
 fi
-while pgrep -f gpu_prepare.sh > /dev/null; do sleep 2; done  # the build a carry call started
+while kill -0 "$(cat /tmp/lcgpu-prepare.pid 2>/dev/null)" 2>/dev/null; do sleep 2; done  # the build a carry call started
 case $PHASE in decode|document|statecost|writes|paths|diag52|verify52|split|split2|tools|ui|gap34|images|sampled|seed) export MODELS=${MODELS:-8b-gqa};; demo|mrope|qwen) export MODELS=${MODELS:-tiny};; esac
 # one model: the build and it fit with the runs (the demo phase brings its own)
 NEED=${MODELS:-"7b-mha 8b-gqa"}
