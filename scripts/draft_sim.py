@@ -7,14 +7,19 @@ over plain decode from costs alone (no Python or UI time, no noise); it is how t
 and what stands for a GPU run of it. With --ceiling, beside the policy: what perfect foresight would reach
 (at each token, the lookup draft's length that makes the reply fastest, knowing how far it will hold)
 and the best fixed rule chosen knowing the reply (draft L tokens wherever the latest A tokens agree).
-The replies are the demo model's unless --replies names others (the 8B shape's, made on its GPU).
+The replies are the demo model's unless --replies names others (the 8B shape's, made on its GPU); with
+--sampled N, MODEL's replies to the two decode workloads at its profile's default sampling, seeds 1000 to
+1000 + N - 1, as `bench --decode --sampling default` draws them (a draft is kept as often as the sampler draws its
+token, so a sampled reply replays the same way).
 
-usage: python scripts/draft_sim.py MODEL.gguf [--replies FILE.json] [--rounds 2] [--ceiling]   (JSON: --json)
+usage: python scripts/draft_sim.py MODEL.gguf [--replies FILE.json] [--sampled N] [--rounds 2] [--ceiling]
+       (JSON: --json)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -66,6 +71,23 @@ def _cost(table: dict[int, float], n: int) -> float:
     lo = max(k for k in table if k <= n)
     hi = min((k for k in table if k >= n), default=lo)
     return table[lo] if hi == lo else table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
+
+
+def make_sampled_replies(model: str, n: int) -> dict[str, dict[str, list[int]]]:
+    """MODEL's replies (drafts off) to the decode workloads at the profile's sampling, seeds 1000 on."""
+    from localchat.bench.sampled import turn
+    rt = runtime.open_runtime(runtime.load_profile("cpu", {"model": model}), lambda _: None)
+    out = {}
+    try:
+        sampling = runtime.chat_settings(rt.profile).sampling
+        for name, text in WORKLOADS.items():
+            for r in range(n):
+                chat, st = turn(rt, dataclasses.replace(sampling, seed=1000 + r), "off", text, 256)
+                context = chat.conv.window_tokens()
+                out[f"{name} s{1000 + r}"] = {"context": context, "reply": context[st.prompt_tokens:]}
+    finally:
+        rt.close()
+    return out
 
 
 def make_replies(model: str) -> dict[str, dict[str, list[int]]]:
@@ -165,12 +187,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
     p.add_argument("--replies", help="the replies made by an earlier run (written there if absent)")
+    p.add_argument("--sampled", type=int, default=0, help="replies at the profile's sampling, this many seeds")
     p.add_argument("--rounds", type=int, default=2, help="replays per machine; the last is reported (costs learned)")
     p.add_argument("--ceiling", action="store_true", help="perfect foresight and the best fixed rule beside auto")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     cache = Path(args.replies) if args.replies else None
-    replies = json.loads(cache.read_text()) if cache and cache.exists() else make_replies(args.model)
+    replies = json.loads(cache.read_text()) if cache and cache.exists() else \
+        make_sampled_replies(args.model, args.sampled) if args.sampled else make_replies(args.model)
     if cache and not cache.exists():
         cache.write_text(json.dumps(replies))
     result: dict[str, dict[str, dict[str, float]]] = {}
