@@ -19,7 +19,6 @@ usage: python scripts/draft_sim.py MODEL.gguf [--replies FILE.json] [--sampled N
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -75,16 +74,17 @@ def _cost(table: dict[int, float], n: int) -> float:
 
 def make_sampled_replies(model: str, n: int) -> dict[str, dict[str, list[int]]]:
     """MODEL's replies (drafts off) to the decode workloads at the profile's sampling, seeds 1000 on."""
-    from localchat.bench.sampled import turn
+    from localchat.bench.sampled import round_sampling, turn
     rt = runtime.open_runtime(runtime.load_profile("cpu", {"model": model}), lambda _: None)
     out = {}
     try:
         sampling = runtime.chat_settings(rt.profile).sampling
         for name, text in WORKLOADS.items():
             for r in range(n):
-                chat, st = turn(rt, dataclasses.replace(sampling, seed=1000 + r), "off", text, 256)
+                seeded = round_sampling(sampling, r)
+                chat, st = turn(rt, seeded, "off", text, 256)
                 context = chat.conv.window_tokens()
-                out[f"{name} s{1000 + r}"] = {"context": context, "reply": context[st.prompt_tokens:]}
+                out[f"{name} s{seeded.seed}"] = {"context": context, "reply": context[st.prompt_tokens:]}
     finally:
         rt.close()
     return out

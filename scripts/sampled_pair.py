@@ -6,14 +6,13 @@ Usage: python scripts/sampled_pair.py [--workload repetitive] [--rounds 6] [--mo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from localchat import runtime
 from localchat.bench.decode import WORKLOADS
 from localchat.bench.peer import CPU_PEER_SERVER, runtime_and_peer
 from localchat.bench.report import paired
-from localchat.bench.sampled import server_sampling, turn
+from localchat.bench.sampled import round_sampling, server_sampling, turn
 
 
 def main() -> None:
@@ -31,7 +30,7 @@ def main() -> None:
         prompt = chat.conv.window_tokens()[:st.prompt_tokens]
         rates: dict[str, list[float]] = {"off": [], "llama-server": []}
         for r in range(args.rounds):
-            seeded = dataclasses.replace(sampling, seed=1000 + r)
+            seeded = round_sampling(sampling, r)
             for who in (("off", "llama-server") if r % 2 == 0 else ("llama-server", "off")):
                 if who == "off":
                     rates[who].append(float(turn(rt, seeded, "off", text, args.tokens)[1].decode.wall_decode_tps))

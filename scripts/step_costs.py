@@ -9,13 +9,12 @@ usage: python scripts/step_costs.py MODEL.gguf [--profile h200] [--rounds 6] [--
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
 from localchat import runtime
 from localchat.bench.decode import WORKLOADS
-from localchat.bench.sampled import turn
+from localchat.bench.sampled import round_sampling, turn
 
 
 def main() -> int:
@@ -29,7 +28,7 @@ def main() -> int:
         sampling, cost = runtime.chat_settings(rt.profile).sampling, rt.engine.step_cost
         for r in range(args.rounds):
             for name, text in WORKLOADS.items():
-                _, st = turn(rt, dataclasses.replace(sampling, seed=1000 + r), "auto", text, args.tokens)
+                _, st = turn(rt, round_sampling(sampling, r), "auto", text, args.tokens)
                 row = {"round": r, "w": name, "tps": st.decode.wall_decode_tps, "drafted": st.drafts.draft_tokens,
                        "kept": st.drafts.accepted_tokens, "step_ms": round(cost.step_s * 1000, 3),
                        "jump": round(cost.jump, 3), "slope": round(cost.slope, 3),

@@ -26,6 +26,11 @@ from localchat.settings import Profile
 MODES = ("off", "auto", "llama-server")
 
 
+def round_sampling(sampling: SamplingConfig, r: int) -> SamplingConfig:
+    """Round r's sampler settings: its own seed, the same for every mode (and for the scripts that replay rounds)."""
+    return dataclasses.replace(sampling, seed=1000 + r)
+
+
 def server_sampling(s: SamplingConfig, n_ctx: int) -> dict[str, Any]:
     """llama-server's /completion fields for localchat's sampler settings (its sampler order is the same; its API
     takes the whole context as its size, not -1)."""
@@ -55,7 +60,7 @@ def _rounds(rt: runtime.Runtime, peer: PeerServer, sampling: SamplingConfig, tex
     drafted = accepted = 0
     prompt: list[int] = []
     for r in range(repeat):
-        seeded = dataclasses.replace(sampling, seed=1000 + r)  # every mode of a round draws alike
+        seeded = round_sampling(sampling, r)  # every mode of a round draws alike
         for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:  # the machine's drift falls on each mode
             report(f"bench --decode --sampling default: {name}, {mode}, round {r + 1}/{repeat}")
             if mode == "llama-server":
