@@ -84,7 +84,8 @@ def make_sampled_replies(model: str, n: int) -> dict[str, dict[str, list[int]]]:
                 seeded = round_sampling(sampling, r)
                 chat, st = turn(rt, seeded, "off", text, 256)
                 context = chat.conv.window_tokens()
-                out[f"{name} s{seeded.seed}"] = {"context": context, "reply": context[st.prompt_tokens:]}
+                out[f"{name} s{seeded.seed}"] = {"context": context, "reply": context[st.prompt_tokens:],
+                                                  "sampled": True}
     finally:
         rt.close()
     return out
@@ -128,9 +129,10 @@ def _walk(context: list[int], reply: list[int], machine: str, draft_of: Callable
     return (len(reply) - 1) / steps
 
 
-def replay(context: list[int], reply: list[int], mode: str, machine: str, cost: StepCost) -> float:
-    """Plain decode's steps over the policy's for this reply."""
-    spec = Speculation(mode, cost=cost)
+def replay(context: list[int], reply: list[int], mode: str, machine: str, cost: StepCost,
+           sampled: bool = False) -> float:
+    """Plain decode's steps over the policy's for this reply (`sampled`: drawn at a temperature)."""
+    spec = Speculation(mode, cost=cost, sampled=sampled)
 
     def learn(step: float, kept: int, drafted: int) -> None:
         if drafted:
@@ -203,7 +205,7 @@ def main() -> int:
             cost = StepCost(gpu=gpu)
             cost.step_s = 1.0  # the replay's unit: one-token steps
             for _ in range(args.rounds):  # one engine: later chats start from what earlier ones measured
-                speeds = {name: round(replay(r["context"], r["reply"], mode, machine, cost), 3)
+                speeds = {name: round(replay(r["context"], r["reply"], mode, machine, cost, r.get("sampled", False)), 3)
                           for name, r in replies.items()}
             result.setdefault(machine, {})[mode] = speeds
     if args.ceiling:

@@ -17,6 +17,7 @@ from localchat.engine import Generation, SamplingConfig
 from localchat.engine.backend import SEQ
 from localchat.engine.sampling import _chain, drawer, is_greedy, logits, prime
 from localchat.engine.speculative import DRAFT_MAX, PRIOR, Speculation
+from localchat.engine.stepcost import StepCost
 from localchat.runtime import chat_format
 from tests.conftest import make_engine, run_cli
 from tests.ggufedit import first_layers
@@ -380,3 +381,27 @@ def test_a_draft_model_that_does_not_fit_beside_the_plan_is_refused_before_it_lo
     assert "the draft model" in str(exc.value) and "lower n_ctx or drop draft_model" in str(exc.value)
     shown = run_cli(["plan", "--model", str(demo_path), "--draft-model", str(demo_path)])
     assert shown.returncode == 0 and "draft      " in shown.stdout and "in RAM beside the model" in shown.stdout
+
+
+def test_a_slow_first_step_does_not_make_drafts_look_cheap():
+    cost = StepCost(gpu=True)
+    cost.record(0.0058, 0)  # the first reply's first plain step, slowed by something else
+    for _ in range(6):
+        cost.record(0.0022, 0)  # what a step costs
+    assert cost.step_s < 0.0023
+    cost.record(0.0500, 0)  # one pause moves it a little
+    assert cost.step_s < 0.0075
+
+
+def test_a_sampled_chat_drafts_a_quote_once_it_holds_not_on_a_chance_match():
+    quote = list(range(1, 41))
+    chance = quote + [99] + quote[:20]  # 20 tokens agree: a greedy chat drafts on its priors
+    greedy, sampled = Speculation("auto"), Speculation("auto", sampled=True)
+    for spec in (greedy, sampled):
+        spec.cost.jump, spec.cost.slope, spec.cost.reshape, spec.cost.switch = 0.2, 0.17, 0.6, 1.0  # an H100's
+    assert len(greedy.draft(chance, 16)) > 0 and sampled.draft(chance, 16) == []
+    passage = list(range(100, 180))
+    quoting = Speculation("auto", sampled=True)
+    quoting.cost.jump, quoting.cost.slope, quoting.cost.reshape, quoting.cost.switch = 0.2, 0.17, 0.6, 1.0
+    first = _decode_a_quote(quoting, passage)  # the lookups not made teach it the quote holds
+    assert first is not None and first < 16 and quoting.acceptance > 0.85

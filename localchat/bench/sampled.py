@@ -57,7 +57,7 @@ def _rounds(rt: runtime.Runtime, peer: PeerServer, sampling: SamplingConfig, tex
             reply_tokens: int, report: Callable[[str], None], name: str) -> dict[str, Any]:
     rates: dict[str, list[float]] = {m: [] for m in MODES}
     lengths: dict[str, list[int]] = {m: [] for m in MODES}
-    drafted = accepted = 0
+    drafts: list[list[int]] = []  # per round of auto: tokens drafted, kept
     prompt: list[int] = []
     for r in range(repeat):
         seeded = round_sampling(sampling, r)  # every mode of a round draws alike
@@ -74,11 +74,11 @@ def _rounds(rt: runtime.Runtime, peer: PeerServer, sampling: SamplingConfig, tex
             rates[mode].append(float(st.decode.wall_decode_tps or 0.0))
             lengths[mode].append(st.reply_tokens)
             if mode == "auto":
-                drafted += int(st.drafts.draft_tokens or 0)
-                accepted += int(st.drafts.accepted_tokens or 0)
+                drafts.append([int(st.drafts.draft_tokens or 0), int(st.drafts.accepted_tokens or 0)])
+    drafted, accepted = sum(d for d, _ in drafts), sum(k for _, k in drafts)
     med = {m: round(statistics.median(v), 2) for m, v in rates.items()}
     return {"decode_tps": med, "runs": rates, "reply_tokens": lengths, "prompt_tokens": len(prompt),
-            "acceptance": round(accepted / drafted, 3) if drafted else None,
+            "acceptance": round(accepted / drafted, 3) if drafted else None, "auto_drafted_kept": drafts,
             "over_server": {m: paired(rates[m], rates["llama-server"]) for m in ("off", "auto")},
             "auto_over_off": paired(rates["auto"], rates["off"])}
 

@@ -68,7 +68,8 @@ class Chat:
         self._sampler = engine.make_sampler(settings.sampling)
         # a sliding-window cache may lose cells a rejected draft's tail pushed out: exact only with swa_full
         drafts = settings.speculate != "off" and (not engine.n_swa or engine.config.swa_full)
-        self.speculation = Speculation(settings.speculate, cost=engine.step_cost, model=draft) if drafts else None
+        self.speculation = Speculation(settings.speculate, cost=engine.step_cost, model=draft,
+                                       sampled=settings.sampling.temperature > 0) if drafts else None
         self.deltas = Deltas(engine, fmt)
         self.events: list[transcript.Record] = []  # transcript records not yet persisted, drained by the store
         self.read_ahead = settings.read_ahead

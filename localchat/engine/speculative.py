@@ -23,6 +23,10 @@ DRAFT_MAX = 7  # batches of at most 8: past 8 CUDA leaves its one-token kernels 
 MATCH_CAP = 32  # how far back a match is followed
 CLASSES = (2, 4, 8, 16, 32)  # where match-length classes start: the longer the text has agreed, the surer it goes on
 PRIOR = {2: 0.5, 4: 0.6, 8: 0.7, 16: 0.8, 32: 0.9}  # a draft token's chance in each class before any is measured
+# sampled, no class drafts on its prior alone at measured batch costs: a sampler keeps a token only as often as it
+# would draw it, and chance matches in a story cost a refused batch each (H100, Qwen 1.5B: 3% of a 256-token reply);
+# the lookups not made still count (`_settle`), so a quote is drafted a few tokens after it starts
+PRIOR_SAMPLED = {2: 0.4, 4: 0.5, 8: 0.6, 16: 0.65, 32: 0.7}
 MODEL = 0  # the draft model's entry in the acceptance counts (a match length of none)
 PROBE_EVERY = 48  # draft-model drafts skipped (they would not pay) before one is tried: the text may have changed
 DECAY = 0.95  # the weight of earlier draft tokens in the acceptance estimates
@@ -47,15 +51,17 @@ class Speculation:
     goes on more surely than a 2-token coincidence), counted for the lookup drafts made and for those
     skipped, as the reply shows them."""
 
-    def __init__(self, mode: str = "auto", model: Drafter | None = None, cost: StepCost | None = None):
+    def __init__(self, mode: str = "auto", model: Drafter | None = None, cost: StepCost | None = None,
+                 sampled: bool = False):
         self.mode, self.model = mode, model
         self.cost = cost or StepCost()  # the engine's: measured once for every chat on it
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> where its continuation starts (last seen)
         self._indexed = 0
         self._source: list[int] | None = None
         # decayed counts per match-length class (MODEL: the draft model's): draft tokens kept, and missed
-        self._kept = {c: PRIOR[c] * 2 for c in CLASSES} | {MODEL: 1.0}
-        self._missed = {c: (1 - PRIOR[c]) * 2 for c in CLASSES} | {MODEL: 1.0}
+        prior = PRIOR_SAMPLED if sampled else PRIOR
+        self._kept = {c: prior[c] * 2 for c in CLASSES} | {MODEL: 1.0}
+        self._missed = {c: (1 - prior[c]) * 2 for c in CLASSES} | {MODEL: 1.0}
         self._model_s = 0.0  # the draft model's time in the step in flight
         self._plans: dict[tuple[int, int], tuple[int, float]] = {}  # (agreement, last step's batch) -> length, gain
         self._plans_at = -1  # the cost measurements they were computed with

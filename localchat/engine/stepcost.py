@@ -11,6 +11,9 @@ from __future__ import annotations
 
 DECAY = 0.85  # the weight of earlier verifications in the fit
 PRIOR_WEIGHT = 1.0  # of each of the two assumed lengths: one odd measurement does not make the fit
+# a one-token step's estimate comes down fast and goes up slowly: one inflated by a pause (the first reply's
+# steps on an H100: 5.8 ms against 2.2) made every verification look cheaper by as much, and drafts look paying
+STEP_DOWN, STEP_UP = 0.5, 0.1
 SETTLE_STEPS = 2  # one-token steps after a batch that are slower (an H200's second one still by half): the switch
 # assumed until measured: (draft tokens, cost beyond one step) at two lengths, the switch back and the
 # reshape; the 2-core VM's 1.8 / 5.1 steps for 1 / 8 draft tokens, the H200's 1.13 / 1.6
@@ -57,8 +60,8 @@ class StepCost:
                 if not self._settling:
                     self.switch = moving_average(self.switch, self._switch_sum, 0.3)
                     self.version += 1
-        else:
-            self.step_s = moving_average(self.step_s, seconds)
+        else:  # a step is never faster than its compute: a slow one is a pause elsewhere, a fast one the step
+            self.step_s = moving_average(self.step_s, seconds, STEP_DOWN if seconds < self.step_s else STEP_UP)
         self.size = 1 + drafted
 
     @property
