@@ -86,14 +86,20 @@ def traced(engine, spent: dict[str, float]) -> list[str]:
     from localchat.session import kvdelta, kvdisk, statefile
     modules = {"kvdisk": kvdisk, "kvdelta": kvdelta, "statefile": statefile}
 
+    inside: set[str] = set()  # a stage that calls itself (read_payload_placed making its own pool) counts once
+
     def wrap(owner, name: str) -> None:
         inner = getattr(owner, name)
 
         def timed(*a, **k):
+            if name in inside:
+                return inner(*a, **k)
+            inside.add(name)
             t0 = time.perf_counter()
             try:
                 return inner(*a, **k)
             finally:
+                inside.discard(name)
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
         setattr(owner, name, timed)
     for module, name in STAGES:
