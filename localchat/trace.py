@@ -22,8 +22,11 @@ STAGES = (  # in the order a turn reaches them (a stage a path does not take is 
     "prefill_start",  # the prompt's tokens known, llama.cpp asked to evaluate what the KV lacks
     "prefill_end",
     "first_token",  # the first reply token sampled
+    "view_started",  # the terminal UI's live view began to run (its first frame next)
+    "first_frame",  # the live view laid out its first frame, with or without the reply's text
     "first_text",  # the first reply text handed to the screen (line mode: written to stdout)
-    "first_shown",  # the terminal UI drew it
+    "first_shown",  # the terminal UI laid out a frame with it
+    "first_drawn",  # and wrote that frame to the terminal
 )
 
 

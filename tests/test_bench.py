@@ -103,9 +103,12 @@ def test_typing_bench_reads_the_message_ahead_through_the_terminal_ui(tmp_path):
         row = rows[case]
         assert row["read_ahead_tokens"] + row["idle_tokens"] >= row["recomputed_tokens"], row
         stages = [name for name, _ in row["trace"]["stages"]]
-        assert stages.index("first_token") < stages.index("first_text") < stages.index("first_shown"), stages
+        assert stages.index("first_token") < stages.index("first_text") < stages.index("first_shown") \
+            < stages.index("first_drawn"), stages
     for case in ("typed 150 tokens, read-ahead off", "paste 2000 + question, read-ahead off"):
         assert rows[case]["read_ahead_tokens"] == 0
+        stages = [name for name, _ in rows[case]["trace"]["stages"]]  # a prefill's wait shows the view, not nothing
+        assert stages.index("view_started") < stages.index("first_text") < stages.index("first_drawn"), stages
     pasted, off = rows["paste 2000 + typed question"], rows["paste 2000 + question, read-ahead off"]
     assert pasted["prompt_tokens"] == off["prompt_tokens"] and pasted["recomputed_tokens"] == off["recomputed_tokens"]
 

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
+from prompt_toolkit.formatted_text import ANSI, to_formatted_text
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
+from rich.console import Console
+from rich.markdown import Markdown
 
 from localchat import runtime
 from localchat.bench.idle import forced_reply
 from localchat.host.host import Host
 from localchat.session.lifecycle import Session
 from localchat.session.sessiondir import SessionDir
-from localchat.ui import status
+from localchat.ui import liveview, status
+from localchat.ui.liveview import LiveReply, markdown
 from localchat.ui.repl import Repl
 
 ENTER, CTRL_C, CTRL_D, ALT_ENTER = "\r", "\x03", "\x04", "\x1b\r"
@@ -510,3 +516,34 @@ def test_the_first_words_of_a_reply_are_drawn_at_once_and_later_ones_spaced():
     assert app.redraws == 2  # at once
     live.emit(" there")
     assert app.redraws == 2  # spaced again
+
+
+def test_the_live_view_starts_with_the_reply_s_first_words_or_after_a_moment(monkeypatch):
+    """Its first frame waits for the first words (one drawn before them held them back while it was drawn), but
+    not for long: a long prefill shows its status bar, and a reply that ended shows at once."""
+    async def first_frame(words_after: float | None, done: bool = False) -> LiveReply:
+        reply, future = LiveReply(status.BarState(), rendered=True, show_thoughts=False), Future()
+        if done:
+            future.set_result(None)
+        if words_after is not None:
+            threading.Timer(words_after, reply.emit, args=("Hi",)).start()
+        await asyncio.wait_for(liveview._first_words(reply, future, asyncio.get_running_loop()), 10)
+        return reply
+
+    monkeypatch.setattr(liveview, "FIRST_FRAME_WAIT_S", 60.0)
+    assert asyncio.run(first_frame(0.01)).reply == "Hi"  # woken by the words, not the minute
+    assert asyncio.run(first_frame(None, done=True)).reply == ""  # a reply that ended wakes it too
+    monkeypatch.setattr(liveview, "FIRST_FRAME_WAIT_S", 0.01)
+    assert asyncio.run(first_frame(None)).reply == ""  # and nothing to show: it starts anyway
+
+
+def test_a_line_of_plain_words_renders_as_markdown_renders_it():
+    def by_rich(text: str) -> str:
+        out = io.StringIO()
+        Console(file=out, force_terminal=True, width=80).print(Markdown(text), end="")
+        return "".join(piece for _, piece, *_ in to_formatted_text(ANSI(out.getvalue()))).rstrip()
+
+    for words in ("Why", " Sure, 100% (or 99).", "It's 5 o'clock: tea!"):  # taken as they are, without rich
+        assert markdown(words, 80) == [("", words.strip())] and by_rich(words) == words.strip()
+    for text in ("1. first", "a *b*", "a &amp; b", "# title", "___", "x  y"):  # Markdown makes something of these
+        assert markdown(text, 80) != [("", text)]

@@ -10,8 +10,10 @@ through rich (headings, emphasis, lists, tables, code blocks highlighted), or pl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -28,6 +30,8 @@ from prompt_toolkit.layout import Dimension, HSplit, Layout, Window
 from prompt_toolkit.layout.controls import BufferControl, FormattedTextControl
 from prompt_toolkit.output import Output
 from prompt_toolkit.styles import Style
+from rich.console import Console  # imported with the view, not at the first reply's first frame (52 ms here)
+from rich.markdown import Markdown
 
 from localchat.trace import TRACE
 from localchat.ui import approval
@@ -47,15 +51,23 @@ STYLE = Style.from_dict({
     "thought": "#808080 italic",
 })
 REDRAW_INTERVAL = 0.25  # seconds between redraws of the live reply and status bar
+# the live view's first frame waits this long for the reply's first words: a frame drawn before them (2.5-4 ms on the
+# 2-core VM while the engine works, 4-5 ms on an H100 host sharing the GIL with the decode) held them back as long
+FIRST_FRAME_WAIT_S = 0.03
 LIVE_ROWS, LIVE_CHARS = 8, 1200
+# what Markdown could make something of in a line (a list's number, an entity, a hard break, any markup): elsewhere
+# rich's parser (a new one at each call, 0.1 ms of 0.22 here, 2-4x that beside a decode) is skipped
+_MARKUP = re.compile(r"[^\w\s,.;:!?'\"()/%]|^\d+[.)]|\s{2}|^(\w)\1{2}")
 
 
 def markdown(text: str, width: int | None = None) -> StyleAndTextTuples:
     """`text` rendered as Markdown for the terminal (rich), as prompt_toolkit fragments."""
-    from rich.console import Console
-    from rich.markdown import Markdown
+    width = width or shutil.get_terminal_size().columns
+    words = text.strip()
+    if len(words) < width and not _MARKUP.search(words):  # a line of plain words renders as itself
+        return [("", words)]
     out = io.StringIO()
-    Console(file=out, force_terminal=True, color_system="256", width=width or shutil.get_terminal_size().columns,
+    Console(file=out, force_terminal=True, color_system="256", width=width,
             legacy_windows=False).print(Markdown(text, code_theme="monokai"), end="")
     return to_formatted_text(ANSI(out.getvalue().rstrip("\n")))
 
@@ -84,6 +96,7 @@ class LiveReply:
         self.reply = self.thought = ""
         self.thought_pieces = 0
         self.app: Application | None = None
+        self.wake: Callable[[], None] | None = None  # the live view waiting to start (LiveScreen.run)
         self._drawn = 0.0
         self._done_text = ""  # the finished blocks of the live tail, laid out once
         self._done: StyleAndTextTuples = []
@@ -105,9 +118,17 @@ class LiveReply:
 
     def progress(self, done: int, total: int) -> None:
         self.bar.progress = (done, total)
-        self._invalidate()
+        if done < total:  # at the end the first words come next: a frame drawn now would hold them back
+            self._invalidate()
+
+    @property
+    def has_content(self) -> bool:
+        return bool(self.reply or self.thought or (self.asking is not None and self.asking.request is not None))
 
     def _invalidate(self, at_once: bool = False) -> None:
+        wake = self.wake
+        if wake is not None:
+            wake()
         # a redraw holds the GIL the generating thread needs: a few per second is enough to read
         at = time.monotonic()
         if self.app is not None and self.app.is_running and (at_once or at - self._drawn >= REDRAW_INTERVAL):
@@ -116,6 +137,7 @@ class LiveReply:
 
     # the view
     def view(self) -> StyleAndTextTuples:
+        TRACE.stamp("first_frame")
         out: StyleAndTextTuples = []
         request = self.asking.request if self.asking is not None else None
         if request is not None:
@@ -160,6 +182,8 @@ class LiveReply:
         loop = app.loop if app is not None and app.is_running else None
         if app is None or loop is None:
             print_above(text)
+            if self.wake is not None:
+                self.wake()
             return
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(run_in_terminal(lambda: print_above(text))))
         loop.call_soon_threadsafe(app.invalidate)
@@ -189,6 +213,22 @@ def _approval_keys(kb: KeyBindings, typeahead: Buffer, asking: approval.Asking |
             asking.editing = True
             typeahead.text = json.dumps(request.arguments, ensure_ascii=False)
             typeahead.cursor_position = len(typeahead.text)
+
+
+async def _first_words(reply: LiveReply, future: Future, loop: asyncio.AbstractEventLoop) -> None:
+    """Until the reply has something to show, it ends, or FIRST_FRAME_WAIT_S passes."""
+    woken = asyncio.Event()
+
+    def wake() -> None:  # the engine's thread: something to show
+        loop.call_soon_threadsafe(woken.set)
+    reply.wake = wake
+    future.add_done_callback(lambda _: loop.call_soon_threadsafe(woken.set))
+    try:
+        if not reply.has_content and not future.done():  # checked after `wake` is set: nothing slips between
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), FIRST_FRAME_WAIT_S)
+    finally:
+        reply.wake = None
 
 
 class LiveScreen:
@@ -233,14 +273,26 @@ class LiveScreen:
         # its render postponement (while other tasks are ready, up to 10 ms) held each redraw back too
         self.app: Application = Application(layout=layout, key_bindings=kb, style=STYLE, input=input, output=output,
                                             erase_when_done=True, max_render_postpone_time=None)
+        self.app.after_render += self._rendered
+
+    def _rendered(self, _: Application) -> None:
+        if self.reply is not None and self.reply.reply:
+            TRACE.stamp("first_drawn")  # the frame with the first words written to the terminal
 
     async def run(self, reply: LiveReply, future: Future, cancel: Callable[[], None]) -> None:
         """Show `reply` until `future` is done; Ctrl-C (or Ctrl-D) calls `cancel`."""
         app = self.app
-        self.reply, self.cancel, reply.app = reply, cancel, app
+        self.reply, self.cancel = reply, cancel
         loop = asyncio.get_running_loop()
+        await _first_words(reply, future, loop)
+        reply.app = app
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(lambda: app.exit() if app.is_running else None))
         try:
-            await app.run_async(pre_run=lambda: app.exit() if future.done() else None)
+            await app.run_async(pre_run=lambda: self._started(future))
         finally:
             reply.app = None
+
+    def _started(self, future: Future) -> None:
+        TRACE.stamp("view_started")
+        if future.done():
+            self.app.exit()
