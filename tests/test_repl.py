@@ -545,5 +545,6 @@ def test_a_line_of_plain_words_renders_as_markdown_renders_it():
 
     for words in ("Why", " Sure, 100% (or 99).", "It's 5 o'clock: tea!"):  # taken as they are, without rich
         assert markdown(words, 80) == [("", words.strip())] and by_rich(words) == words.strip()
-    for text in ("1. first", "a *b*", "a &amp; b", "# title", "___", "x  y"):  # Markdown makes something of these
+    # Markdown makes something of these: rich renders them
+    for text in ("1. first", "a *b*", "a _b_ c", "a &amp; b", "# title", "___", "x  y", "a\nb"):
         assert markdown(text, 80) != [("", text)]

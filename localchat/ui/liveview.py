@@ -55,9 +55,9 @@ REDRAW_INTERVAL = 0.25  # seconds between redraws of the live reply and status b
 # 2-core VM while the engine works, 4-5 ms on an H100 host sharing the GIL with the decode) held them back as long
 FIRST_FRAME_WAIT_S = 0.03
 LIVE_ROWS, LIVE_CHARS = 8, 1200
-# what Markdown could make something of in a line (a list's number, an entity, a hard break, any markup): elsewhere
+# what Markdown could make something of in a line (a list's number, an entity, a break, any markup): elsewhere
 # rich's parser (a new one at each call, 0.1 ms of 0.22 here, 2-4x that beside a decode) is skipped
-_MARKUP = re.compile(r"[^\w\s,.;:!?'\"()/%]|^\d+[.)]|\s{2}|^(\w)\1{2}")
+_MARKUP = re.compile(r"[^\w ,.;:!?'\"()/%]|_|^\d+[.)]| {2}")
 
 
 def markdown(text: str, width: int | None = None) -> StyleAndTextTuples:
