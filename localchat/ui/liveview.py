@@ -220,7 +220,8 @@ async def _first_words(reply: LiveReply, future: Future, loop: asyncio.AbstractE
     woken = asyncio.Event()
 
     def wake() -> None:  # the engine's thread: something to show
-        loop.call_soon_threadsafe(woken.set)
+        with contextlib.suppress(RuntimeError):  # read just before the wait ended, called after the chat's loop closed
+            loop.call_soon_threadsafe(woken.set)
     reply.wake = wake
     future.add_done_callback(lambda _: loop.call_soon_threadsafe(woken.set))
     try:
