@@ -396,12 +396,10 @@ def test_a_slow_first_step_does_not_make_drafts_look_cheap():
 def test_a_sampled_chat_drafts_a_quote_once_it_holds_not_on_a_chance_match():
     quote = list(range(1, 41))
     chance = quote + [99] + quote[:20]  # 20 tokens agree: a greedy chat drafts on its priors
-    greedy, sampled = Speculation("auto"), Speculation("auto", sampled=True)
-    for spec in (greedy, sampled):
+    greedy, sampled, quoting = Speculation("auto"), Speculation("auto", sampled=True), Speculation("auto", sampled=True)
+    for spec in (greedy, sampled, quoting):
         spec.cost.jump, spec.cost.slope, spec.cost.reshape, spec.cost.switch = 0.2, 0.17, 0.6, 1.0  # an H100's
     assert len(greedy.draft(chance, 16)) > 0 and sampled.draft(chance, 16) == []
     passage = list(range(100, 180))
-    quoting = Speculation("auto", sampled=True)
-    quoting.cost.jump, quoting.cost.slope, quoting.cost.reshape, quoting.cost.switch = 0.2, 0.17, 0.6, 1.0
     first = _decode_a_quote(quoting, passage)  # the lookups not made teach it the quote holds
     assert first is not None and first < 16 and quoting.acceptance > 0.85

@@ -125,10 +125,13 @@ class LiveReply:
     def has_content(self) -> bool:
         return bool(self.reply or self.thought or (self.asking is not None and self.asking.request is not None))
 
-    def _invalidate(self, at_once: bool = False) -> None:
-        wake = self.wake
+    def _wake(self) -> None:
+        wake = self.wake  # read once: the screen's thread clears it when its wait ends
         if wake is not None:
             wake()
+
+    def _invalidate(self, at_once: bool = False) -> None:
+        self._wake()
         # a redraw holds the GIL the generating thread needs: a few per second is enough to read
         at = time.monotonic()
         if self.app is not None and self.app.is_running and (at_once or at - self._drawn >= REDRAW_INTERVAL):
@@ -182,8 +185,7 @@ class LiveReply:
         loop = app.loop if app is not None and app.is_running else None
         if app is None or loop is None:
             print_above(text)
-            if self.wake is not None:
-                self.wake()
+            self._wake()
             return
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(run_in_terminal(lambda: print_above(text))))
         loop.call_soon_threadsafe(app.invalidate)
