@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 import threading
 import time
 from concurrent.futures import Future
@@ -520,21 +521,60 @@ def test_the_first_words_of_a_reply_are_drawn_at_once_and_later_ones_spaced():
 
 def test_the_live_view_starts_with_the_reply_s_first_words_or_after_a_moment(monkeypatch):
     """Its first frame waits for the first words (one drawn before them held them back while it was drawn), but
-    not for long: a long prefill shows its status bar, and a reply that ended shows at once."""
-    async def first_frame(words_after: float | None, done: bool = False) -> LiveReply:
+    not for long: a long prefill shows its status bar, and a reply that ended shows at once. The words are handed
+    on as the wait ends (to be written ahead of the frame), once."""
+    async def first_frame(words_after: float | None, done: bool = False) -> tuple[LiveReply, list[str]]:
         reply, future = LiveReply(status.BarState(), rendered=True, show_thoughts=False), Future()
+        handed: list[str] = []
         if done:
             future.set_result(None)
         if words_after is not None:
             threading.Timer(words_after, reply.emit, args=("Hi",)).start()
-        await asyncio.wait_for(liveview._first_words(reply, future, asyncio.get_running_loop()), 10)
-        return reply
+        await asyncio.wait_for(liveview._first_words(reply, future, asyncio.get_running_loop(),
+                                                     lambda r: handed.append(r.reply)), 10)
+        reply.emit(" there")  # after the wait: nothing more is handed on
+        await asyncio.sleep(0.01)
+        return reply, handed
 
     monkeypatch.setattr(liveview, "FIRST_FRAME_WAIT_S", 60.0)
-    assert asyncio.run(first_frame(0.01)).reply == "Hi"  # woken by the words, not the minute
-    assert asyncio.run(first_frame(None, done=True)).reply == ""  # a reply that ended wakes it too
+    assert asyncio.run(first_frame(0.01))[1] == ["Hi"]  # woken by the words, not the minute
+    assert asyncio.run(first_frame(None, done=True))[1] == [""]  # a reply that ended wakes it too
     monkeypatch.setattr(liveview, "FIRST_FRAME_WAIT_S", 0.01)
-    assert asyncio.run(first_frame(None)).reply == ""  # and nothing to show: it starts anyway
+    assert asyncio.run(first_frame(None))[1] == [""]  # and nothing to show: it starts anyway
+
+
+def _written_before_the_frame(reply_text: str, rendered: bool = True, thought: str = "") -> tuple[str, str]:
+    """The text (escape sequences left out) the live view writes to a VT100 terminal 80 columns wide before its
+    first frame (which starts by erasing down), and all it writes."""
+    from prompt_toolkit.buffer import Buffer
+    from prompt_toolkit.data_structures import Size
+    from prompt_toolkit.output.vt100 import Vt100_Output
+
+    terminal = io.StringIO()
+    output = Vt100_Output(terminal, lambda: Size(rows=24, columns=80), term="xterm-256color")
+    reply, future = LiveReply(status.BarState(), rendered=rendered, show_thoughts=False), Future()
+    reply.reply, reply.thought = reply_text, thought
+    with create_pipe_input() as keys:
+        screen = liveview.LiveScreen(Buffer(), lambda: "status", None, keys, output)
+        screen.app.after_render += lambda _: future.done() or future.set_result(None)  # one frame, then the end
+        asyncio.run(asyncio.wait_for(screen.run(reply, future, lambda: None), 10))
+    written = terminal.getvalue()
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", written[:written.index("\x1b[J")]), written
+
+
+def test_a_first_line_of_plain_words_is_written_ahead_of_the_frame_that_draws_it_in_place():
+    """The live view's application takes milliseconds to start and draw its first frame: a first line of plain
+    words goes to the terminal at once, where that frame puts it, the cursor back at the line's start where the
+    frame begins and draws them again; what the frame would show otherwise waits for it."""
+    for text, rendered in (("Four", True), ("The answer is four, of course.", True), (" four", False)):
+        before, written = _written_before_the_frame(text, rendered)
+        shown = text.strip() if rendered else text
+        assert before == shown + "\r"
+        assert shown in written[written.index("\x1b[J"):]  # and the frame draws them
+    for text, thought in (("**Four**", ""), ("# Four", ""), ("1. Four", ""), ("Four\nFive", ""),
+                          ("漢字" * 30, ""),  # 60 characters, 120 columns wide
+                          ("x" * 80, ""), ("Four", "hmm")):
+        assert _written_before_the_frame(text, thought=thought)[0] == "", text  # the frame is the first text
 
 
 def test_a_line_of_plain_words_renders_as_markdown_renders_it():

@@ -111,8 +111,9 @@ def test_a_line_longer_than_the_terminal_stays_on_screen_once_after_enter(home, 
         t.kill()
 
 
-def _typed_chat(home, tmp_path, name: str, *flags: str) -> tuple[list[dict], list[dict]]:
-    """Two turns typed key by key in a real terminal, the second with an edit; (stats, transcript records)."""
+def _typed_chat(home, tmp_path, name: str, *flags: str) -> tuple[list[dict], list[dict], str]:
+    """Two turns typed key by key in a real terminal, the second with an edit; (stats, transcript records, the
+    screen after the second reply)."""
     t, read = start(home, tmp_path / f"{name}.jsonl", "--model", "demo", "--max-tokens", "16", "--session", name,
                     *flags)
     try:
@@ -127,17 +128,22 @@ def _typed_chat(home, tmp_path, name: str, *flags: str) -> tuple[list[dict], lis
         time.sleep(1.0)
         t.keys("Enter")
         t.wait_for(lambda s: len(read()) == 2)
+        screen = t.wait_for(lambda s: [x.rstrip() for x in s.splitlines() if x.strip()][-2:-1] == [">"])
         t.quit()
         time.sleep(1.0)
     finally:
         t.kill()
     records = [json.loads(x) for x in (home / "sessions" / name / "transcript.jsonl").read_text().splitlines()]
-    return read(), [r for r in records if r.get("t") == "msg"]
+    return read(), [r for r in records if r.get("t") == "msg"], screen
 
 
 def test_typing_in_a_real_terminal_reads_ahead_and_changes_nothing(home, tmp_path, demo_path):
-    on, msgs_on = _typed_chat(home, tmp_path, "ra-on")
-    off, msgs_off = _typed_chat(home, tmp_path, "ra-off", "--no-read-ahead")
+    on, msgs_on, screen_on = _typed_chat(home, tmp_path, "ra-on")
+    off, msgs_off, screen_off = _typed_chat(home, tmp_path, "ra-off", "--no-read-ahead")
+    # the reply's first words, written ahead of the live view's first frame (read ahead: they come at once) or drawn
+    # by it, end in the same place: the reply's rows below the message, once
+    replies = [s.split("> Tell me about")[1].split("\n>")[0] for s in (screen_on, screen_off)]
+    assert replies[0] == replies[1] and replies[0].splitlines()[1].startswith(msgs_on[3]["content"].split()[0])
     assert [m["content"] for m in msgs_on] == [m["content"] for m in msgs_off]
     assert msgs_on[2]["content"] == "Tell me about the old bakeries of Paris and their bread ovens today"
     assert [m["tokens"] for m in msgs_on] == [m["tokens"] for m in msgs_off]  # the same greedy replies

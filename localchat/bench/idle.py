@@ -36,6 +36,7 @@ from localchat.chatformat import reasoning
 from localchat.chatformat.templates import ChatFormat
 from localchat.engine import Engine, Generation
 from localchat.session.lifecycle import Session
+from localchat.session.sessiondir import SessionDir
 from localchat.trace import TRACE
 
 THINK_TEMPLATE = (  # ChatML that drops the thoughts of earlier replies, as Qwen3's template does
@@ -120,10 +121,32 @@ def _traced() -> Callable[[], dict[str, Any] | None]:
     return last
 
 
+@contextlib.contextmanager
+def _user_session(rt: runtime.Runtime, report: Callable[[str], None]) -> Iterator[Session]:
+    """A session as a user's chat has one (in a directory of its own, removed after): its transcript written and
+    made durable on each turn's way to the first text, autosave on."""
+    with tempfile.TemporaryDirectory(prefix="localchat-typing-") as home:
+        store = SessionDir("typing", Path(home) / "sessions")
+        store.lock()
+        ctl = Session(rt, store, report, autosave=True, background=True)
+        try:
+            yield ctl
+        finally:
+            ctl.close()
+
+
 def run_typing(profile: Any, args: Any, report: Callable[[str], None]) -> dict[str, Any]:
     last_trace = _traced()
     rt = runtime.open_runtime(profile, report)
-    ctl = Session(rt, None, report, autosave=False, background=True)
+    try:
+        with _user_session(rt, report) as ctl:
+            return _typing_rounds(rt, ctl, args, report, last_trace)
+    finally:
+        rt.close()
+
+
+def _typing_rounds(rt: runtime.Runtime, ctl: Session, args: Any, report: Callable[[str], None],
+                   last_trace: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
     rt.chat.set_system(text_of(rt.engine, args.system_tokens, "system"), cause="")
     ui = ScriptedTerminal(ctl)
     users = [text_of(rt.engine, args.user_tokens, f"question {i}") for i in range(args.turns)]
@@ -163,7 +186,6 @@ def run_typing(profile: Any, args: Any, report: Callable[[str], None]) -> dict[s
     result: dict[str, Any] = {"rows": rows, "history_tokens": len(before), "cps": args.cps}
     if args.peer_server:
         result["server"] = _server(args.peer_server, rt.engine, before, prompts, max(1, args.repeat))
-    rt.close()
     med = {label: median([r["ttft_s"] for r in rows if r["case"] == label]) for label in dict.fromkeys(
         r["case"] for r in rows)}
     one = med["one word"] or 1e-9

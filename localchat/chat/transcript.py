@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from localchat.chat.conversation import Conversation, Message
-from localchat.fsutil import PRIVATE_FILE
+from localchat.fsutil import PRIVATE_FILE, sync_data
 
 Record = dict[str, Any]
 TORN_SUFFIX = ".torn"
@@ -203,7 +203,7 @@ class TranscriptFile:
             torn = self._cut_torn_tail(fd)
             os.write(fd, data)
             if sync:
-                os.fsync(fd)
+                sync_data(fd)
         finally:
             os.close(fd)
         return torn
@@ -212,7 +212,7 @@ class TranscriptFile:
         """What append(sync=False) wrote made durable."""
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            sync_data(fd)
         finally:
             os.close(fd)
 

@@ -157,7 +157,7 @@ class Session:
     def turn(self, request: Request | str, sink: TurnSink = QUIET) -> TurnStats:
         """One exchange; the request's `started` (perf_counter) is when the user pressed Enter, for the TTFT. A
         prefix loaded from disk is part of the wait for the first token. The user's message is written before it is
-        evaluated (a kill -9 from then on keeps it) and fsynced before its reply's first text is shown."""
+        evaluated (a kill -9 from then on keeps it) and made durable beside the prefill, before the turn ends."""
         if self.ended:
             raise ChatEnded(f"the chat cannot go on: {self.ended}")
         request = Request(request) if isinstance(request, str) else request
@@ -199,9 +199,9 @@ class Session:
             self.message_synced.wait()
 
     def _durable(self, sink: TurnSink) -> TurnSink:
-        """`sink` whose message is written to the transcript before it is evaluated and fsynced beside the prefill,
-        the reply's first text shown once it is durable."""
-        return replace(sink, message=self._write_message, text=self.message_synced.before(sink.text))
+        """`sink` whose message is written to the transcript before it is evaluated and synced beside the prefill
+        (turn() and retry() end once it is durable)."""
+        return replace(sink, message=self._write_message)
 
     def _write_message(self) -> None:
         if self.flush_events(sync=False) and self.store is not None:
