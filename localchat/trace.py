@@ -25,8 +25,8 @@ STAGES = (  # in the order a turn reaches them (a stage a path does not take is 
     "view_started",  # the terminal UI's live view began to run (its first frame next)
     "first_frame",  # the live view laid out its first frame, with or without the reply's text
     "first_text",  # the first reply text handed to the screen (line mode: written to stdout)
-    "first_shown",  # the terminal UI laid out a frame with it
-    "first_drawn",  # and wrote that frame to the terminal
+    "first_shown",  # the terminal UI laid it out (a first line of plain words written ahead of the view, or a frame)
+    "first_drawn",  # and wrote it to the terminal
 )
 
 

@@ -86,11 +86,11 @@ _FSYNC = ThreadPoolExecutor(1, thread_name_prefix="localchat-fsync")  # one thre
 
 
 class DurableSoon:
-    """A file made durable (fsync) on a thread of its own while the chat goes on: the turn's message is written
-    before it is evaluated (a kill -9 from then on keeps it) and synced while llama.cpp evaluates the prompt and the
-    reply's first words are shown; the turn ends once it is durable. On the turn's path the fsync was 0.6 ms of a
-    1.5B model's 14 ms turn on an H100 machine, 1.4 ms on the 2-core VM; the first text waited for it 0.4-1.7 ms
-    after its token on the VM (0.5-2.9 ms syncs beside the engine's threads), for an ordering only a power loss
+    """A file made durable (synced to the disk) on a thread of its own while the chat goes on: the turn's message is
+    written before it is evaluated (a kill -9 from then on keeps it) and synced while llama.cpp evaluates the prompt
+    and the reply's first words are shown; the turn ends once it is durable. On the turn's path the fsync was 0.6 ms
+    of a 1.5B model's 14 ms turn on an H100 machine, 1.4 ms on the 2-core VM; the first text waited for it 0.4-1.7
+    ms after its token on the VM (0.5-2.9 ms syncs beside the engine's threads), for an ordering only a power loss
     in those milliseconds could tell."""
 
     def __init__(self, failed: Callable[[OSError], None]):
