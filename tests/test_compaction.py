@@ -90,17 +90,27 @@ def test_compact_on_an_empty_chat_and_a_summary_that_fails_lose_nothing(home, tm
 
 @pytest.mark.real
 def test_a_fact_folded_into_the_summary_is_still_answered_where_shift_lost_it(assistant_path, tmp_path):
+    import shutil
     lines = [line for line in Path(__file__).with_name("data").joinpath("cabin_chat.txt").read_text().splitlines()
              if line.strip()]
+    args = ["--model", str(assistant_path), "--temperature", "0", "--max-tokens", "48", "--ctx", "768",
+            "--session", "cabin"]
+
+    def run(home: Path, said: list[str], mode: str, stats: Path):
+        r = run_cli([*args, "--overflow", mode, "--stats-json", str(stats)], stdin="".join(x + "\n" for x in said),
+                    env={"LOCALCHAT_HOME": str(home)}, timeout=1500)
+        assert r.returncode == 0, r.stderr
+        return r, rows(stats)
+
+    # the first nine turns fit either way: said once, then each mode goes on from a copy of the saved session
+    _, before = run(tmp_path / "compact", lines[:9], "compact", tmp_path / "before.jsonl")
+    assert not any(t.get("compacted_tokens") or t["shifted_tokens"] for t in before)
+    shutil.copytree(tmp_path / "compact", tmp_path / "shift")
     answers = {}
     for mode in ("compact", "shift"):
-        home, stats = tmp_path / mode, tmp_path / f"{mode}.jsonl"
-        r = run_cli(["--model", str(assistant_path), "--temperature", "0", "--max-tokens", "48", "--ctx", "768",
-                     "--overflow", mode, "--session", "cabin", "--stats-json", str(stats)],
-                    stdin="".join(line + "\n" for line in lines), env={"LOCALCHAT_HOME": str(home)}, timeout=1500)
-        assert r.returncode == 0, r.stderr
+        r, turns = run(tmp_path / mode, lines[9:], mode, tmp_path / f"{mode}.jsonl")
         answers[mode] = r.stdout.strip().splitlines()[-1]
-        turns = rows(stats)
+        assert turns[0]["turn"] == 10 and turns[0]["kv_restored"], turns[0]
         if mode == "compact":
             assert any(t.get("compacted_tokens") for t in turns), [t.get("compaction_failed") for t in turns]
         else:

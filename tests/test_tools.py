@@ -671,7 +671,7 @@ def test_with_tool_choice_required_every_sampled_call_parses_and_fits_its_schema
     gbnf = chat.tooling.format.grammar([schema], loose=False)  # the template's own form, as required holds it
     prompt = chat.conv.window_tokens()[:st.steps[0].prompt_tokens]
     unparsable = []
-    for seed in range(100):  # 100 sampled calls from the same prompt, each under the grammar from its start
+    for seed in range(40):  # 40 sampled calls from the same prompt, each under the grammar from its start
         sampler = demo_engine.make_sampler(SamplingConfig(temperature=1.0, seed=seed), gbnf)
         demo_engine.prefill(prompt)
         gen = Generation(tokens=[])
@@ -711,7 +711,7 @@ def test_a_call_whose_arguments_are_not_json_is_held_to_its_schema_and_written_a
     prompt = demo_engine.tokenize(fmt.render([{"role": "user", "content": "Look at notes.txt"}], True), True)
     wrong = []
     demo_engine.clear()
-    for seed in range(15):  # sampled for real, under the grammar from the call's opening
+    for seed in range(8):  # sampled for real, under the grammar from the call's opening
         demo_engine.prefill(prompt)  # the prompt kept in the KV: only its last token again, for its logits
         gen = Generation(tokens=[])
         for _ in demo_engine.generate(demo_engine.make_sampler(SamplingConfig(temperature=1.0, seed=seed), gbnf),

@@ -12,6 +12,12 @@ import pytest
 REPORT = os.environ.get("LOCALCHAT_RELIABILITY_REPORT")
 
 
+def trials(full: int) -> int:
+    """How many random trials a class runs: all of them for the report, the first third in the main suite (each is
+    a real process or two: the suite keeps within its half hour on two cores)."""
+    return full if REPORT else max(3, full // 3)
+
+
 class Tally:
     def __init__(self, name: str):
         self.name, self.tried, self.failed = name, 0, 0

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
+from tests.reliability.conftest import trials
 
 ARGS = ["--model", "demo", "--temperature", "0", "--max-tokens", "24"]
 SYSTEM = "You are a careful assistant who answers in one sentence. " * 6
@@ -60,11 +61,11 @@ def _wait(pred, timeout=60.0) -> None:
         time.sleep(0.002)
 
 
-@pytest.mark.parametrize("moment, trials", [("turn", 20), ("autosave", 15), ("resume", 15)])
-def test_kill_9(home, tmp_path, tally, moment, trials):
+@pytest.mark.parametrize("moment, count", [("turn", trials(20)), ("autosave", trials(15)), ("resume", trials(15))])
+def test_kill_9(home, tmp_path, tally, moment, count):
     rng = random.Random(moment)
     failures = []
-    for trial in range(trials):
+    for trial in range(count):
         name = f"k{trial}"
         sdir = home / "sessions" / name
         stats = tmp_path / f"{name}.jsonl"
