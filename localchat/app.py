@@ -17,15 +17,9 @@ from localchat.settings import Profile
 from localchat.tools.mcp import Hub
 from localchat.trace import TRACE
 from localchat.ui import approval, status
+from localchat.ui.reports import Reports
 
-
-def _report(text: str) -> None:
-    """Diagnostics on stderr; a text starting with '\\r' redraws the current line (progress)."""
-    try:
-        sys.stderr.write(text if text.startswith("\r") else text + "\n")
-        sys.stderr.flush()
-    except OSError:
-        pass  # the terminal closed with its window: what is saved does not depend on being told
+_report = Reports()  # diagnostics: stderr, or above the terminal UI while it runs
 
 
 def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
@@ -82,5 +76,6 @@ def _run_ui(host: Host, args: argparse.Namespace, message: str, interactive: boo
         return lineui.run_once(host, message, args.json, args.show_reasoning, args.verbose)
     if interactive:
         from localchat.ui import repl
-        return repl.run(host, status.ViewPrefs(markdown=not args.raw, show_thoughts=args.show_reasoning), asking)
+        return repl.run(host, status.ViewPrefs(markdown=not args.raw, show_thoughts=args.show_reasoning), asking,
+                        _report)
     return lineui.run_lines(host, show_reasoning=args.show_reasoning)

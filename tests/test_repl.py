@@ -588,3 +588,16 @@ def test_a_line_of_plain_words_renders_as_markdown_renders_it():
     # Markdown makes something of these: rich renders them
     for text in ("1. first", "a *b*", "a _b_ c", "a &amp; b", "# title", "___", "x  y", "a\nb"):
         assert markdown(text, 80) != [("", text)]
+
+
+def test_reports_go_to_the_ui_while_it_runs_progress_to_its_status_bar(ui, capsys):
+    from localchat.ui.reports import Reports
+    reports = Reports()
+    reports.shown = ui.repl.notice  # as repl.run sets it (the real terminal: test_tmux's tool loop)
+    reports("\rrebuilding KV: 3/10 tokens")
+    assert ui.repl.bar.notice == "rebuilding KV: 3/10 tokens"
+    reports("[tool read_file(path='a.txt'): ok, 3 characters]")
+    assert capsys.readouterr().err == ""  # never written under the UI's frame, which would draw over it
+    reports.shown = None
+    reports("localchat: saved")
+    assert capsys.readouterr().err == "localchat: saved\n"

@@ -201,7 +201,12 @@ def test_a_whole_tool_loop_in_a_real_terminal(home, tmp_path, tools_model):
         records = [json.loads(x) for x in (home / "sessions" / "loop" / "transcript.jsonl").read_text().splitlines()]
         results = [r for r in records if r.get("t") == "msg" and r["role"] == "tool"]
         assert len(results) == len(asked) and all(r["call"]["status"] in ("ok", "denied", "error") for r in results)
-        assert "tool call: " in "\n".join(t.tmux("capture-pane", "-t", t.name, "-p", "-S", "-200").stdout.splitlines())
+        scrollback = t.tmux("capture-pane", "-t", t.name, "-p", "-S", "-200").stdout.splitlines()
+        assert any(x.startswith("tool call: ") for x in scrollback)
+        # each call's outcome stays on the screen, above the live view (a line on stderr under it was drawn over)
+        outcomes = [x for x in scrollback if x.startswith("[tool ")]
+        said = {"ok": "): ok, ", "denied": "): denied]", "error": "): error: "}
+        assert [said[r["call"]["status"]] in x for r, x in zip(results, outcomes)] == [True] * len(asked), outcomes
         t.quit()
     finally:
         t.kill()

@@ -195,14 +195,24 @@ class LiveReply:
 
     def ask(self, print_above: Callable[[str], None], request: approval.Request) -> None:
         """The engine's thread asks about a call: printed whole above the live view, the keys in it."""
-        app, text = self.app, approval.describe(request)
-        loop = app.loop if app is not None and app.is_running else None
-        if app is None or loop is None:
+        text = approval.describe(request)
+        if not above(self.app, lambda: print_above(text)):
             print_above(text)
             self._wake()
-            return
-        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(run_in_terminal(lambda: print_above(text))))
+
+
+def above(app: Application | None, show: Callable[[], None]) -> bool:
+    """`show` (a print) run on `app`'s thread above its frame, then the frame drawn again, where `app` runs (any
+    thread may ask); False where it does not."""
+    loop = app.loop if app is not None and app.is_running else None
+    if app is None or loop is None:
+        return False
+    try:
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(run_in_terminal(show)))
         loop.call_soon_threadsafe(app.invalidate)
+    except RuntimeError:  # the loop closed as the application ended
+        return False
+    return True
 
 
 def _approval_keys(kb: KeyBindings, typeahead: Buffer, asking: approval.Asking | None) -> None:

@@ -38,7 +38,8 @@ from localchat.host.host import Host
 from localchat.session.lifecycle import Session
 from localchat.trace import TRACE
 from localchat.ui import approval, hangup, slash, status
-from localchat.ui.liveview import STYLE, LiveReply, LiveScreen
+from localchat.ui.liveview import STYLE, LiveReply, LiveScreen, above
+from localchat.ui.reports import Reports
 from localchat.ui.ttymode import keys_unechoed
 from localchat.ui.turnpick import TurnPicker
 
@@ -153,6 +154,16 @@ class Repl:
 
     def print(self, text: str, style: str = "") -> None:
         print_formatted_text(FormattedText([(style, text)]), style=STYLE, output=self.output)
+
+    def notice(self, text: str) -> None:
+        """A line of diagnostics (a tool call's outcome, a failed save), from any thread: above the live view or the
+        prompt, whichever runs; progress ("\\r...") on the status bar."""
+        if text.startswith("\r"):
+            self.bar.notice = text.strip()
+            return
+        show = lambda: self.print(text, "class:info")  # noqa: E731
+        if not (above(self.screen.app, show) or above(self.session.app, show)):
+            show()
 
     # ------------------------------------------------------------ a turn
     def _queue_turn(self, job: Job, typed: str) -> tuple[LiveReply, Future]:
@@ -341,9 +352,13 @@ class Repl:
         return out or ""
 
 
-def run(host: Host, view: status.ViewPrefs | None = None, asking: approval.Asking | None = None) -> int:
-    """The terminal UI until Ctrl-D, /quit, SIGHUP or SIGTERM; the exit code (128 + the signal, or 0)."""
+def run(host: Host, view: status.ViewPrefs | None = None, asking: approval.Asking | None = None,
+        reports: Reports | None = None) -> int:
+    """The terminal UI until Ctrl-D, /quit, SIGHUP or SIGTERM, showing `reports`' lines while it runs; the exit code
+    (128 + the signal, or 0)."""
     repl = Repl(host, view=view, asking=asking)
+    if reports is not None:
+        reports.shown = repl.notice
     try:
         with keys_unechoed(sys.stdin) if repl.input is None else contextlib.nullcontext():
             asyncio.run(repl.run_async())
@@ -354,5 +369,7 @@ def run(host: Host, view: status.ViewPrefs | None = None, asking: approval.Askin
     finally:
         repl.cancel.set()  # whatever ended the loop, the engine's thread stops before the session saves
         repl.scheduler.close()
+        if reports is not None:
+            reports.shown = None
     return 128 + repl.ending if repl.ending else 2 if repl.ended else 0
 
