@@ -601,3 +601,23 @@ def test_reports_go_to_the_ui_while_it_runs_progress_to_its_status_bar(ui, capsy
     reports.shown = None
     reports("localchat: saved")
     assert capsys.readouterr().err == "localchat: saved\n"
+
+
+def test_a_resumed_tool_loop_shows_the_users_words_each_calls_outcome_and_the_answer(home, demo_path):
+    from localchat.chat.conversation import Message
+    h = Harness(home, session="tools")
+    h.say("Hello there")
+    conv = h.ctl.chat.conv  # the last exchange as a tool loop leaves it (its records, as the transcript keeps them)
+    conv.messages += [Message("user", "What is in notes.txt?"),
+                      Message("assistant", "", calls=[{"name": "read_file", "arguments": {"path": "notes.txt"}}]),
+                      Message("tool", "The user denied this call: it did not run.", call={"name": "read_file",
+                                                                                        "status": "denied"}),
+                      Message("assistant", "I could not read it.")]
+    try:
+        h.printed.clear()
+        h.repl._where_you_were()
+        shown = "\n".join(h.printed)
+        assert "> What is in notes.txt?" in shown and "[tool read_file: denied]" in shown
+        assert shown.endswith("I could not read it.") and "did not run" not in shown  # the model's reading, unshown
+    finally:
+        h.close()

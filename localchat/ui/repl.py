@@ -251,18 +251,26 @@ class Repl:
 
     # ------------------------------------------------------------ the loop
     def _where_you_were(self) -> None:
-        """A resumed chat starts with its last exchange above the prompt, trimmed to a few lines."""
-        msgs = [m for m in self.ctl.chat.conv.messages if m.content]
-        if len(msgs) < 2:
+        """A resumed chat starts with its last exchange above the prompt, trimmed to a few lines: the user's message,
+        each tool call's outcome as the chat showed it (a result is the model's reading, not the user's), the
+        answer."""
+        msgs = self.ctl.chat.conv.messages
+        asked = next((i for i in range(len(msgs) - 1, -1, -1) if msgs[i].role == "user"), None)
+        if asked is None or not any(m.content for m in msgs[asked + 1:]):
             return
         earlier = self.ctl.chat.conv.turns - 1
         if earlier:
             self.print(f"... {earlier} earlier turn{'s' if earlier > 1 else ''} ('localchat sessions show' has them)",
                        "class:info")
-        for m, rows in ((msgs[-2], 3), (msgs[-1], 6)):
-            lines = m.content.strip().splitlines() or [""]
-            text = "\n".join(line[:200] for line in lines[:rows]) + (" [...]" if len(lines) > rows else "")
-            self.print(("> " if m.role == "user" else "") + text, "class:info")
+        user = msgs[asked]
+        files = "".join(f"[attached {d.get('name', '?')}]\n" for d in user.documents)  # their text opens the content
+        self.print(files + "> " + _trimmed(user.content[user.doc_chars:], 3), "class:info")
+        for m in msgs[asked + 1:]:
+            if m.role == "tool":
+                self.print(f"[tool {m.call.get('name', '?')}: {m.call.get('status', '?')}]", "class:info")
+        answer = msgs[-1] if msgs[-1].role == "assistant" and msgs[-1].content else None
+        if answer is not None:
+            self.print(_trimmed(answer.content, 6), "class:info")
 
     def _hang_up(self, signum: int) -> None:
         """A closed terminal, a logout, a shutdown: stop the reply in flight as Ctrl-C does, then leave (the
@@ -350,6 +358,11 @@ class Repl:
         self.bar = bar_state(self.ctl) if line.split()[0] in ("/new", "/load", "/model") else self.bar
         self.bar.ctx_used = len(self.ctl.rt.engine.tokens)
         return out or ""
+
+
+def _trimmed(text: str, rows: int) -> str:
+    lines = text.strip().splitlines() or [""]
+    return "\n".join(line[:200] for line in lines[:rows]) + (" [...]" if len(lines) > rows else "")
 
 
 def run(host: Host, view: status.ViewPrefs | None = None, asking: approval.Asking | None = None,
