@@ -617,7 +617,7 @@ def test_a_resumed_tool_loop_shows_the_users_words_each_calls_outcome_and_the_an
         h.printed.clear()
         h.repl._where_you_were()
         shown = "\n".join(h.printed)
-        assert "> What is in notes.txt?" in shown and "[tool read_file: denied]" in shown
+        assert "> What is in notes.txt?" in shown and "[tool read_file(path='notes.txt'): denied]" in shown
         assert shown.endswith("I could not read it.") and "did not run" not in shown  # the model's reading, unshown
     finally:
         h.close()

@@ -36,6 +36,7 @@ from localchat.chat.stats import TurnStats
 from localchat.errors import ChatEnded, LocalchatError
 from localchat.host.host import Host
 from localchat.session.lifecycle import Session
+from localchat.tools.builtin import Result, call_line
 from localchat.trace import TRACE
 from localchat.ui import approval, hangup, slash, status
 from localchat.ui.liveview import STYLE, LiveReply, LiveScreen, above
@@ -265,9 +266,14 @@ class Repl:
         user = msgs[asked]
         files = "".join(f"[attached {d.get('name', '?')}]\n" for d in user.documents)  # their text opens the content
         self.print(files + "> " + _trimmed(user.content[user.doc_chars:], 3), "class:info")
+        calls: list[dict] = []  # the last reply's calls, which its results answer in order
         for m in msgs[asked + 1:]:
-            if m.role == "tool":
-                self.print(f"[tool {m.call.get('name', '?')}: {m.call.get('status', '?')}]", "class:info")
+            if m.role == "assistant":
+                calls = list(m.calls)
+            elif m.role == "tool":
+                args = calls.pop(0).get("arguments", {}) if calls else {}
+                shown = call_line(m.call.get("name", "?"), args, Result(m.content, m.call.get("status", "?")))
+                self.print(shown.splitlines()[0], "class:info")  # its line, not a command's output under it
         answer = msgs[-1] if msgs[-1].role == "assistant" and msgs[-1].content else None
         if answer is not None:
             self.print(_trimmed(answer.content, 6), "class:info")
