@@ -19,17 +19,18 @@ from localchat import completion
 from localchat.errors import ModelError, ProfileError, SessionError
 from localchat.options import overrides, print_json, profile_args, setting_args
 from localchat.settings import settings_table
+from localchat.ui.reports import Reports, printable
 
 if TYPE_CHECKING:
     from localchat.session.sessiondir import SessionDir
 
 
 def _out(text: str = "") -> None:
-    sys.stdout.write(text + "\n")
+    """A line of a command's output; on a terminal what could steer it is shown (transcripts hold tool results)."""
+    sys.stdout.write((printable(text) if sys.stdout.isatty() else text) + "\n")
 
 
-def _report(text: str) -> None:
-    sys.stderr.write(text + "\n")
+_report = Reports()  # diagnostics on stderr: a progress line redrawn in place, untrusted text shown, not obeyed
 
 
 # ---------------------------------------------------------------- models

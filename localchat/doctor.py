@@ -27,6 +27,7 @@ from localchat.machine.models import ModelInfo
 from localchat.session import remake, writes
 from localchat.session.sessiondir import list_sessions
 from localchat.settings import Profile, rule
+from localchat.ui.reports import Reports
 
 GIB, MIB = 1 << 30, 1 << 20
 PROMPT_TOKENS, DECODE_TOKENS = 128, 32
@@ -55,8 +56,7 @@ def _out(text: str = "") -> None:
     sys.stdout.write(text + "\n")
 
 
-def _report(text: str) -> None:
-    sys.stderr.write(text + "\n")
+_report = Reports()  # diagnostics on stderr: a progress line redrawn in place, untrusted text shown, not obeyed
 
 
 def _gib(n: float) -> str:

@@ -603,6 +603,16 @@ def test_reports_go_to_the_ui_while_it_runs_progress_to_its_status_bar(ui, capsy
     assert capsys.readouterr().err == "localchat: saved\n"
 
 
+def test_on_stderr_a_progress_line_is_redrawn_in_place_and_what_steers_a_terminal_is_shown(capsys):
+    from localchat.ui.reports import Reports
+    reports = Reports()
+    reports("\rembedding: 1 of 9")
+    reports("\rembedding: 9 of 9")
+    reports("[tool run_command: ok]\n  | \x1b[2J\u202egnp.exe\rdone\x07")
+    assert capsys.readouterr().err == "\rembedding: 1 of 9\rembedding: 9 of 9\n" \
+        "[tool run_command: ok]\n  | \\x1b[2J\\u202egnp.exe\\rdone\\x07\n"  # a line after progress: its own
+
+
 def test_a_resumed_tool_loop_shows_the_users_words_each_calls_outcome_and_the_answer(home, demo_path):
     from localchat.chat.conversation import Message
     h = Harness(home, session="tools")

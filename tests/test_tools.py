@@ -15,7 +15,7 @@ from localchat.chat.turns import Chat
 from localchat.chatformat import reasoning
 from localchat.chatformat.toolcalls import ToolCall
 from localchat.errors import ToolsUnsupported
-from localchat.tools.builtin import DENIED, Decision, Toolbox
+from localchat.tools.builtin import DENIED, Decision, Toolbox, call_line
 from localchat.tools.rooted import Root
 from localchat.ui import status
 from localchat.ui.approval import GRACE_S
@@ -131,6 +131,8 @@ def test_an_edit_is_shown_as_a_diff_and_written_whole(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == NOTES.replace("salt", "yeast")
     twice = box.run("edit_file", {"path": "notes.txt", "old": "a", "new": "b"})
     assert twice.status == "error" and "must occur once" in twice.text
+    # the user's line gives the reason whole and ends there (the file follows in the model's copy only)
+    assert call_line("edit_file", {"path": "notes.txt"}, twice).endswith("times in the file; it must occur once.]")
 
 
 def test_commands_are_approved_per_exact_command_and_stopped_at_their_bounds(tmp_path):
@@ -231,6 +233,46 @@ def test_where_no_one_is_asked_only_the_tools_approved_in_advance_are_offered(ho
         "write_file, edit_file, run_command" in r.stderr and "localchat: tools: 1 offered" in r.stderr, r.stderr
     r = run_cli(args + ["Hello"], env={"LOCALCHAT_HOME": str(home)}, cwd=tmp_path)
     assert r.returncode == 0 and "localchat: tools: none offered" in r.stderr, r.stderr
+
+
+def test_line_mode_shows_what_would_steer_a_terminal_and_obeys_none_of_it(home, tools_model, tmp_path, capfd):
+    """A command's output and a reply carrying escape sequences (a file read can prompt a model to write them):
+    on a terminal each is shown as its escape, never sent to it as a sequence; a pipe gets the reply as it is."""
+    import io
+    import os
+
+    from localchat import runtime
+    from localchat.bench.idle import forced_reply as forced
+    from localchat.host.host import Host
+    from localchat.session.lifecycle import Session
+    from localchat.session.sessiondir import SessionDir
+    from localchat.ui.lineui import run_lines
+    from localchat.ui.reports import Reports
+    rt = runtime.open_runtime(runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 24, "n_ctx": 2048,
+                                                           "model": str(tools_model)}), lambda t: None)
+    store = SessionDir("steering")
+    store.lock()
+    session = Session(rt, store, lambda t: None, autosave=False)
+    box = Toolbox(Root(tmp_path), lambda request: Decision("once"), offered=("run_command",), report=Reports())
+    session.chat.tooling.enable(box, 10, "demo")
+    engine, call = rt.engine, ToolCall("run_command", {"command": r"printf '\033]0;owned\007\033[2Jhi\n'"}, "c1")
+    eog = next(t for t in range(64) if engine.is_eog(t))
+    replies = [session.chat.tooling.format.call_text([call]), "Done.\x1b[2J", "Done.\x1b[2J"]
+    host, terminal, pipe = Host(session), os.openpty(), io.StringIO()
+    try:
+        with forced(engine, *(engine.tokenize(t, special=True) + [eog] for t in replies)), \
+                open(terminal[1], "w", closefd=False) as tty:
+            assert run_lines(host, io.StringIO("Clear the screen.\n"), tty, io.StringIO()) == 0
+            shown = os.read(terminal[0], 1 << 16).decode()
+            reported = capfd.readouterr().err
+            assert "\x1b" not in shown and "Done.\\x1b[2J" in shown  # the reply on the terminal
+            assert "\x1b" not in reported and "| \\x1b]0;owned\\x07\\x1b[2Jhi" in reported  # the command's output
+            assert run_lines(host, io.StringIO("Once more.\n"), pipe, io.StringIO()) == 0
+        assert pipe.getvalue().startswith("Done.\x1b[2J")  # a pipe: the text as the model wrote it
+    finally:
+        os.close(terminal[0])
+        os.close(terminal[1])
+        session.close()
 
 
 # ---------------------------------------------------------------- approval costs no time

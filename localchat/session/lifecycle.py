@@ -145,7 +145,7 @@ class Session:
         self.report(f"{head}; {outcome.note}")
         if len(window) - engine.n_kv > 1 and len(window) <= engine.n_ctx:
             missing, took = self.kv.rebuild(window, self._rebuild_progress)
-            self.report(f"\rKV rebuilt: {missing} tokens in {took:.2f} s" + " " * 10)
+            self.report(f"\rKV rebuilt: {missing} tokens in {took:.2f} s" + " " * 10 + "\n")  # over its progress
             self._next = replace(self._next, miss_cause="")  # rebuilt: nothing left to explain
         chat.ahead.warm_next_head()
 

@@ -205,7 +205,8 @@ class Toolbox:
         count = text.count(old) if old else 0
         if count != 1:
             # the file as it is: what a model needs to write an edit that applies
-            raise ToolError(f"the text to replace occurs {count} times in the file; it must occur once. "
+            # (the reason on a line of its own: the user's outcome line shows the first line only)
+            raise ToolError(f"the text to replace occurs {count} times in the file; it must occur once.\n"
                             f"The file holds:\n{cap(text, SHOWN_CHARS)}")
         return text, text.replace(old, new, 1)
 

@@ -16,6 +16,7 @@ from localchat.host.host import Host
 from localchat.trace import TRACE
 from localchat.ui import slash, status
 from localchat.ui.hangup import Ending, Hangup
+from localchat.ui.reports import printable
 
 
 class Interrupt:
@@ -111,11 +112,13 @@ def run_once(host: Host, message: str, as_json: bool = False, show_reasoning: bo
 
 class _Output:
     """stdout for the answers, stderr for the rest; a reasoning model's thoughts end their line before
-    the answer starts."""
+    the answer starts. What reaches a terminal cannot steer it (a reply may quote a file's escape sequences);
+    a pipe gets the reply's text as it is."""
 
     def __init__(self, stdout: TextIO, stderr: TextIO):
         self.stdout, self.stderr = stdout, stderr
         self.thought_open = False  # thoughts were written to stderr and their line is not ended yet
+        self.on_terminal = _is_terminal(stdout)
 
     def end_thoughts(self) -> None:
         if self.thought_open:
@@ -124,18 +127,25 @@ class _Output:
 
     def emit(self, text: str) -> None:
         self.end_thoughts()
-        self.stdout.write(text)
+        self.stdout.write(printable(text) if self.on_terminal else text)
         self.stdout.flush()
         TRACE.stamp("first_text")
 
     def think(self, text: str) -> None:
-        self.stderr.write(text)
+        self.stderr.write(printable(text))
         self.stderr.flush()
         self.thought_open = True
 
     def note(self, text: str) -> None:
-        self.stderr.write(text.rstrip("\n") + "\n")
+        self.stderr.write(printable(text.rstrip("\n")) + "\n")
         self.stderr.flush()
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (ValueError, OSError):
+        return False
 
 
 def _line(host: Host, line: str, out: _Output, show_reasoning: bool, ending: Ending) -> int | None:
