@@ -431,6 +431,33 @@ def test_replies_print_as_markdown_and_raw_on_request(ui):
     assert printed[-1].strip() == REPLY_MD
 
 
+STEERING_REPLY = "Done. \x01\x1b]52;c;b3duZWQ=\x07\x02 **Set** \x1b]0;owned\x07\x1b[2J"  # the clipboard, a title, a clear
+
+
+def test_a_reply_or_a_notice_never_writes_a_sequence_that_steers_the_terminal(ui):
+    """A reply quoting a file's escape sequences is shown as escapes, as Markdown and raw (prompt_toolkit's ANSI
+    reader writes a sequence between \\x01 and \\x02 as it is: a reply could have set the user's clipboard)."""
+    from prompt_toolkit.data_structures import Size
+    from prompt_toolkit.output.vt100 import Vt100_Output
+    terminal = io.StringIO()
+    ui.repl.output = Vt100_Output(terminal, lambda: Size(rows=40, columns=120), term="xterm-256color")
+    engine = ui.rt.engine
+    forced = engine.tokenize(STEERING_REPLY, special=False) + [next(t for t in range(64) if engine.is_eog(t))]
+    for mode in ("markdown", "raw"):
+        with forced_reply(engine, forced):
+            ui.say("Read me the file.")
+        assert ui.repl.reply == STEERING_REPLY  # /copy and the transcript keep what the model wrote
+        written = terminal.getvalue()
+        assert "\x1b]" not in written and "\x1b[2J" not in written and "\x07" not in written, (mode, written)
+        assert "\\x1b]52;c;b3duZWQ=\\x07" in written and "\\x1b[2J" in written, mode  # shown, not obeyed
+        ui.command("/raw")
+        terminal.seek(0)
+        terminal.truncate()
+    Repl.print(ui.repl, "[tool run_command: ok]\n  | \x1b]0;owned\x07")  # a command's output in a notice
+    ui.wait(lambda: "owned" in terminal.getvalue())  # printed above the prompt by its loop
+    assert "\x1b]" not in terminal.getvalue() and "\\x1b]0;owned\\x07" in terminal.getvalue()
+
+
 # ---------------------------------------------------------------- the trace of the way to the first token
 def _stage_names(line: dict) -> list[str]:
     times = [ms for _, ms in line["stages"]]

@@ -36,6 +36,7 @@ from rich.markdown import Markdown
 
 from localchat.trace import TRACE
 from localchat.ui import approval
+from localchat.ui.reports import printable
 from localchat.ui.status import BarState
 
 STYLE = Style.from_dict({
@@ -67,8 +68,11 @@ def plain(words: str, width: int) -> bool:
 
 
 def markdown(text: str, width: int | None = None) -> StyleAndTextTuples:
-    """`text` rendered as Markdown for the terminal (rich), as prompt_toolkit fragments."""
+    """`text` rendered as Markdown for the terminal (rich), as prompt_toolkit fragments. What would steer the
+    terminal is shown as escapes first: rich keeps ESC, and prompt_toolkit's ANSI writes a sequence between \\x01
+    and \\x02 as it is (a reply quoting a file could set the title or the clipboard)."""
     width = width or shutil.get_terminal_size().columns
+    text = printable(text)
     words = text.strip()
     if plain(words, width):  # a line of plain words renders as itself
         return [("", words)]
@@ -153,7 +157,7 @@ class LiveReply:
             out += [("class:prompt", approval.keys_line(request) + "\n")]
         if self.thought and not self.reply:
             if self.show_thoughts:
-                out += [("class:thought", "\n".join(self.thought[-LIVE_CHARS:].split("\n")[-LIVE_ROWS:]))]
+                out += [("class:thought", printable("\n".join(self.thought[-LIVE_CHARS:].split("\n")[-LIVE_ROWS:])))]
             else:
                 out += [("class:thought", f"thinking... {self.thought_pieces} tokens (/think show shows them)")]
         tail = self.reply[-LIVE_CHARS:]
@@ -161,7 +165,7 @@ class LiveReply:
             TRACE.stamp("first_shown")
             cut = tail.find("\n\n") if len(self.reply) > LIVE_CHARS else -1  # start at a block boundary
             tail = tail[cut + 2:] if cut >= 0 else tail
-            out += _tail_rows(self._rendered(tail) if self.rendered else [("", tail)], LIVE_ROWS)
+            out += _tail_rows(self._rendered(tail) if self.rendered else [("", printable(tail))], LIVE_ROWS)
         return out
 
     def first_line(self, width: int) -> str:
@@ -189,8 +193,10 @@ class LiveReply:
         out: list[tuple[StyleAndTextTuples, str]] = []
         if self.thought:
             text = self.thought if self.show_thoughts else f"[thought for {self.thought_pieces} tokens]"
-            out.append(([("class:thought", text)], ""))
-        out.append((markdown(self.reply) if self.rendered and self.reply.strip() else [("", self.reply)], ""))
+            out.append(([("class:thought", printable(text))], ""))
+        rendered = self.rendered and self.reply.strip()
+        reply: StyleAndTextTuples = markdown(self.reply) if rendered else [("", printable(self.reply))]
+        out.append((reply, ""))
         return out
 
     def ask(self, print_above: Callable[[str], None], request: approval.Request) -> None:

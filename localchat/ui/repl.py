@@ -40,7 +40,7 @@ from localchat.tools.builtin import Result, call_line
 from localchat.trace import TRACE
 from localchat.ui import approval, hangup, slash, status
 from localchat.ui.liveview import STYLE, LiveReply, LiveScreen, above
-from localchat.ui.reports import Reports
+from localchat.ui.reports import Reports, printable
 from localchat.ui.ttymode import keys_unechoed
 from localchat.ui.turnpick import TurnPicker
 
@@ -154,7 +154,7 @@ class Repl:
                              erase_when_done=True)  # see _echo
 
     def print(self, text: str, style: str = "") -> None:
-        print_formatted_text(FormattedText([(style, text)]), style=STYLE, output=self.output)
+        print_formatted_text(FormattedText([(style, printable(text))]), style=STYLE, output=self.output)
 
     def notice(self, text: str) -> None:
         """A line of diagnostics (a tool call's outcome, a failed save), from any thread: above the live view or the
