@@ -25,6 +25,9 @@ NAMES = list(SCHEMAS)
 # as it answers "What is 17 times 3?" with tools on: a call of a tool it made up
 MADE_UP = '```json\n{\n  "name": "multiply",\n  "arguments": {"a": 17, "b": 3}\n}\n```'
 FENCED = 'Let me check.\n```json\n{\n  "name": "read_file",\n  "arguments": {\n    "path": "config.yaml"\n  }\n}\n```'
+# as it wrote two calls after a read in the terminal UI (2026-12-06): inside a wrapper, one object after the other
+WRAPPED = '```\n{\n  "function": {\n    "name": "read_file",\n    "arguments": {"path": "stats.py"}\n  }\n  , \n  {\n' \
+    '    "name": "search_text",\n    "arguments": {\n      "pattern": "(average|total)"\n    }\n  }\n```'
 
 
 def fits(name, args):
@@ -39,6 +42,9 @@ def fits(name, args):
     ('Here: {"name": "read_file", "arguments": "{\\"path\\": \\"b\\"}"}', 6, [("read_file", {"path": "b"})]),
     ('{"name": "read_file", "arguments": {"path": "a"}},\n{"name": "list_files", "arguments": {}}', 0,
      [("read_file", {"path": "a"}), ("list_files", {})]),  # a list without its brackets, as the grammar allows
+    (WRAPPED, 0, [("read_file", {"path": "stats.py"}), ("search_text", {"pattern": "(average|total)"})]),
+    ('Sure. {"type": "function", "function": {"name": "read_file", "arguments": {"path": "a"}}}', 6,
+     [("read_file", {"path": "a"})]),  # OpenAI's form
 ])
 def test_a_json_object_naming_an_offered_tool_is_a_call(text, start, calls):
     assert loosecalls.find(text, NAMES, fits) == (start, calls)
@@ -49,6 +55,7 @@ def test_a_json_object_naming_an_offered_tool_is_a_call(text, start, calls):
     '{"name": "read_file", "arguments": {"file": "a"}}',  # arguments that do not fit the schema
     '[{"name": "read_file", "arguments": {"path": "a"}}, {"name": "nope", "arguments": {}}]',  # one of them
     'Write {"name": "Ada", "age": 36} to people.json.',  # a JSON object of the user's
+    '{"type": "function", "function": "a function is a rule"}',  # the words, not a call
     '```python\nprint({"name": "read_file"})\n```',
 ])
 def test_anything_else_stays_text(text):
@@ -112,6 +119,7 @@ def test_a_call_never_reaches_the_screen_and_everything_else_does(chunk):
         return out + scan.feed("", final=True), scan.calling
 
     assert shown(FENCED) == ("Let me check.", True)
+    assert shown("I will look.\n" + WRAPPED) == ("I will look.", True)  # the wrapper goes with its calls
     assert shown("Sure.\n<tool_call>\n{...") == ("Sure.", True)  # the call's leading blank lines with it
     prose = 'Use ```python\nprint({"a": 1})\n``` and [a link](x), {"name": "other"}, `code` <tool'
     assert shown(prose) == (prose, False)  # held back only while it might open a call

@@ -425,15 +425,21 @@ def test_a_read_repeated_after_an_edit_runs_again(demo_engine, official_dir, tmp
     assert "salt" in results[0].content and "sugar" in results[2].content and "salt" not in results[2].content
 
 
-def test_a_loose_call_runs_and_is_laid_out_as_its_template_writes_calls(demo_engine, official_dir, tmp_path):
-    """Qwen2.5-Coder writes its calls as fenced JSON: the call runs; before its result the reply takes the
-    template's <tool_call> form (measured: after the fenced form the model called again 5 of 6 times, after
-    the template's with a guide 0 of 6), counted as rewritten_call_tokens; the transcript keeps what was
-    written; after the loop the window is the official rendering."""
+FENCED_CALL = '```json\n{\n  "name": "read_file",\n  "arguments": {\n    "path": "notes.txt"\n  }\n}\n```'
+WRAPPED_CALL = '```\n{\n  "function": {\n    "name": "read_file",\n    "arguments": {"path": "notes.txt"}\n  }\n}\n```'
+
+
+@pytest.mark.parametrize("written", [FENCED_CALL, WRAPPED_CALL])
+def test_a_loose_call_runs_and_is_laid_out_as_its_template_writes_calls(demo_engine, official_dir, tmp_path, written):
+    """Qwen2.5-Coder writes its calls as fenced JSON, at times inside a {"function": ...} wrapper: the call runs
+    (the wrapper neither shown nor kept as words); before its result the reply takes the template's <tool_call>
+    form (measured: after the fenced form the model called again 5 of 6 times, after the template's with a guide
+    0 of 6), counted as rewritten_call_tokens; the transcript keeps what was written; after the loop the window is
+    the official rendering."""
     (tmp_path / "notes.txt").write_text(NOTES)
     chat = chat_with(demo_engine, (official_dir / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text(), None)
     chat.tooling.enable(toolbox(tmp_path), 10, "the demo model")
-    fenced = 'Let me look.\n```json\n{\n  "name": "read_file",\n  "arguments": {\n    "path": "notes.txt"\n  }\n}\n```'
+    fenced = "Let me look.\n" + written
     shown: list[str] = []
     with forced_reply(demo_engine, fenced, "Flour, water and salt."):
         st = chat.turn(QUESTION, TurnSink(text=shown.append))
@@ -541,6 +547,7 @@ def test_the_terminal_ui_shows_a_call_whole_and_runs_it_once_approved(home, tool
         shown = "\n".join(a.h.printed)
         assert "tool call: write_file (changes files or runs a command)" in shown and "+hello" in shown
         assert "[o] once" in a.h.repl.live.view()[0][1] and not (tmp_path / "a.txt").exists()  # nothing yet
+        assert "waiting for your answer" in "".join(t for _, t in status.toolbar(a.h.repl.bar))  # not "generating"
         a.h.type("o")
         st = a.done()
         assert (tmp_path / "a.txt").read_text() == "hello" and st["tool_calls"] == 1

@@ -26,6 +26,9 @@ CALL_KEYS = frozenset(NAME_KEYS + ARGS_KEYS + ("id", "type"))  # all a call-shap
 # where a reply that may not call is stopped from starting one: a fence for JSON, an object's first key (a small
 # model asked to answer writes its call again with the key or the name misspelt: "name ", "search_text_result")
 NO_CALL_OPENINGS = (r"```json", r'\{\s*"')
+# an object some models wrap a call in, as OpenAI's API writes one ({"type": "function", "function": {call}}); the
+# 1.5B writes {"function": {call}, {call}}: its calls are read from the inner object on, the wrapper goes with them
+_WRAPPER = r'(?:\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"function"\s*:\s*)?'
 NO, MORE = -1, -2  # a step's answer where it cannot go on: the text opens no call; the text ends too soon
 UNOFFERED = -3  # a step's answer: the object names a tool that is not offered (known once it closes)
 
@@ -43,9 +46,11 @@ def trigger(names: Iterable[str]) -> str:
 
 
 def _opening(names: Iterable[str]) -> re.Pattern[str]:
-    """Where a call starts in a reply: its fence, its list's bracket, or its object's brace."""
+    """Where a call starts in a reply: its fence, its wrapper, its list's bracket, or its object's brace; the
+    group `call` where its JSON is read from."""
     alternatives = "|".join(regex_literal(n) for n in names)
-    return re.compile(r'(?:```(?:json)?[ \t]*\n\s*)?(?:\[\s*)?\{\s*"name"\s*:\s*"(?:' + alternatives + ')"')
+    return re.compile(r'(?:```(?:json)?[ \t]*\n\s*)?' + _WRAPPER + r'(?P<call>(?:\[\s*)?\{\s*"name"\s*:\s*"(?:'
+                      + alternatives + ')")')
 
 
 Fits = Callable[[str, dict[str, Any]], bool]  # (tool, arguments): whether they fit the tool's schema
@@ -56,13 +61,13 @@ def find(text: str, names: list[str], fits: Fits) -> tuple[int, list[tuple[str, 
     if not names:
         return -1, []
     for m in _opening(names).finditer(text):
-        calls = _read(text, m.start(), set(names), fits)
+        calls = _read(text, m.start("call"), set(names), fits)
         if calls:
             return m.start(), calls
     return -1, []
 
 
-_ANY_OPENING = re.compile(r'(?:```(?:json)?[ \t]*\n\s*)?(?:\[\s*)?\{\s*"name"\s*:\s*"')  # as Spotter holds it back
+_ANY_OPENING = re.compile(r'(?:```(?:json)?[ \t]*\n\s*)?' + _WRAPPER + r'(?P<call>(?:\[\s*)?\{\s*"name"\s*:\s*")')
 
 
 def unoffered(text: str, names: list[str]) -> tuple[int, list[tuple[str, dict[str, Any]]]]:
@@ -70,7 +75,7 @@ def unoffered(text: str, names: list[str]) -> tuple[int, list[tuple[str, dict[st
     starts, [(tool, arguments)]), or (-1, []). {"name": "Ada", "age": 36} is data, not a call."""
     for m in _ANY_OPENING.finditer(text):
         try:
-            items = _values(text, _bracket_at(text, m.start()))
+            items = _values(text, _bracket_at(text, m.start("call")))
         except ValueError:
             continue
         calls = [c for c in map(_call, items) if c is not None] if all(map(call_shaped, items)) else []
@@ -150,7 +155,18 @@ class Spotter:
         self.names = names
 
     def state(self, text: str) -> int:
-        steps = (self._fence, self._bracket, self._brace, self._key, self._colon, self._name)
+        plain = self._steps(text, (self._fence, self._bracket, self._brace, self._key, self._colon, self._name))
+        if plain == UNOFFERED:
+            return self._whole(text)
+        if plain:
+            return plain
+        wrapped = self._steps(text, (self._fence, self._wrapper, self._bracket, self._brace, self._key, self._colon,
+                                     self._name))
+        return wrapped if wrapped != UNOFFERED else 0  # a wrapped call of a tool not offered: text (it is rare)
+
+    @staticmethod
+    def _steps(text: str, steps: tuple[Callable[[str, int], int], ...]) -> int:
+        """1, 0 or -1 as `state` answers, or UNOFFERED, for one form of the opening."""
         i = 0
         for step in steps:
             i = step(text, i)
@@ -159,7 +175,7 @@ class Spotter:
             if i == MORE:
                 return -1
             if i == UNOFFERED:
-                return self._whole(text)
+                return UNOFFERED
         return 1
 
     @staticmethod
@@ -195,6 +211,28 @@ class Spotter:
         if i >= len(text):
             return MORE
         return _spaces(text, i + 1) if text[i] == "{" else NO
+
+    @staticmethod
+    def _wrapper(text: str, i: int) -> int:
+        """Past an object wrapping the call ({"function": or {"type": "function", "function":); NO where there is
+        none."""
+        i = Spotter._brace(text, i)
+        if i < 0:
+            return i
+        after_type = _literal(text, i, '"type"')
+        if after_type == MORE:
+            return MORE
+        if after_type != NO:
+            for word in (":", '"function"', ","):
+                after_type = _literal(text, _spaces(text, after_type), word)
+                if after_type < 0:
+                    return after_type
+            i = _spaces(text, after_type)
+        i = _literal(text, i, '"function"')
+        if i < 0:
+            return i
+        i = _literal(text, _spaces(text, i), ":")
+        return i if i < 0 else _spaces(text, i)
 
     @staticmethod
     def _key(text: str, i: int) -> int:

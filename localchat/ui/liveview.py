@@ -127,7 +127,7 @@ class LiveReply:
         self._invalidate()
 
     def progress(self, done: int, total: int) -> None:
-        self.bar.progress = (done, total)
+        self.bar.phase, self.bar.progress = "prefill", (done, total)
         if done < total:  # at the end the first words come next: a frame drawn now would hold them back
             self._invalidate()
 
@@ -202,6 +202,7 @@ class LiveReply:
     def ask(self, print_above: Callable[[str], None], request: approval.Request) -> None:
         """The engine's thread asks about a call: printed whole above the live view, the keys in it."""
         text = approval.describe(request)
+        self.bar.phase = "asking"  # not "generating": the loop waits for the user (the next step's prefill says so)
         if not above(self.app, lambda: print_above(text)):
             print_above(text)
             self._wake()

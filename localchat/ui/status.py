@@ -32,7 +32,7 @@ class BarState:
     kv_type: str = "f16"
     kv_bytes_per_token: int = 0
     last: TurnStats | None = None
-    phase: str = ""  # prefill, generating, rebuilding, "" when idle
+    phase: str = ""  # prefill, generating, thinking, asking (a tool call waits for the user), "" when idle
     progress: tuple[int, int] = (0, 0)
     live_tokens: int = 0  # tokens generated so far in this reply
     autosave: str = ""  # saved, saving, failed: <why>, off
@@ -129,6 +129,8 @@ def toolbar(s: BarState) -> Fragments:
         frags.append(("class:bar.busy", f" {s.phase} {done}/{total} |"))
     elif s.phase == "generating":
         frags.append(("class:bar.busy", f" generating {s.live_tokens} |"))
+    elif s.phase == "asking":
+        frags.append(("class:bar.busy", " waiting for your answer |"))
     st = s.last
     if st is not None:
         style = "class:bar.miss" if st.cache_miss else "class:bar.hit"
