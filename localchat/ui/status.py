@@ -126,16 +126,16 @@ def toolbar(s: BarState) -> Fragments:
     frags: Fragments = [("class:bar.profile", f" {s.profile} ")]
     if s.phase in ("prefill", "rebuilding"):
         done, total = s.progress
-        frags.append(("class:bar.busy", f" {s.phase} {done}/{total} |"))
+        frags.append(("class:bar.busy", f" {s.phase} {done}/{total} "))
     elif s.phase == "generating":
-        frags.append(("class:bar.busy", f" generating {s.live_tokens} |"))
+        frags.append(("class:bar.busy", f" generating {s.live_tokens} "))
     elif s.phase == "asking":
-        frags.append(("class:bar.busy", " waiting for your answer |"))
+        frags.append(("class:bar.busy", " waiting for your answer "))
     st = s.last
     if st is not None:
         style = "class:bar.miss" if st.cache_miss else "class:bar.hit"
         ttft, tps = turn_speed(st)
-        frags += [(style, f" cached {st.cached_tokens} recomputed {st.recomputed_tokens} "),
+        frags += [(style, f"{'| ' if s.phase else ' '}cached {st.cached_tokens} recomputed {st.recomputed_tokens} "),
                   *[("class:bar.hit", f"| {part} ") for part in _stored(st)],
                   ("class:bar", f"| TTFT {ttft:.2f}s | {tps:.1f} tok/s ")]
         frags += [("class:bar", f"| {part} ") for part in _reply_parts(st)]
