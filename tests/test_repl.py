@@ -121,9 +121,13 @@ def test_unknown_command_gets_a_hint_and_reaches_no_model(ui):
     assert ui.rt.engine.tokens == before and len(ui.stats) == 1
 
 
-def test_help_stats_cache_profile_sessions_system(ui):
+def test_help_stats_cache_profile_sessions_system(ui, monkeypatch):
     ui.say("Hello there")
     assert "/retry" in ui.command("/help") and "/undo" in ui.command("/help")
+    monkeypatch.setenv("COLUMNS", "70")  # each description in its column, within the terminal's width
+    lines = ui.command("/help").splitlines()
+    compact = next(i for i, x in enumerate(lines) if x.startswith("  /compact "))
+    assert all(len(x) < 70 for x in lines) and lines[compact][23:25] == " f" and lines[compact + 1][23:25] == " s"
     table = ui.command("/stats")
     assert "cached" in table and "recomp" in table and "\n    1 " in table
     assert "KV holds" in ui.command("/cache") and "prefix store: 1 states" in ui.command("/cache")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 import shlex
+import shutil
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,8 +55,20 @@ class Command:
     replies: bool = False  # generates a reply: the UI runs it as it runs a turn
 
 
+HELP_COLUMN = 24  # where /help's descriptions start
+
+
 def _help(ctx: CommandContext, arg: str) -> str:
-    return "\n".join(f"  {c.usage:<16} {c.help}" for c in COMMANDS.values())
+    """The commands, each description wrapped under itself to the terminal's width (below a long usage)."""
+    width = max(shutil.get_terminal_size().columns - 1, HELP_COLUMN + 30)
+    indent = " " * HELP_COLUMN
+
+    def entry(c: Command) -> str:
+        usage = f"  {c.usage} "
+        if len(usage) <= HELP_COLUMN:
+            return textwrap.fill(c.help, width, initial_indent=usage.ljust(HELP_COLUMN), subsequent_indent=indent)
+        return usage.rstrip() + "\n" + textwrap.fill(c.help, width, initial_indent=indent, subsequent_indent=indent)
+    return "\n".join(entry(c) for c in COMMANDS.values())
 
 
 def _new(ctx: CommandContext, arg: str) -> str:
