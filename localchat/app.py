@@ -24,7 +24,7 @@ _report = Reports()  # diagnostics: stderr, or above the terminal UI while it ru
 
 def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     profile = runtime.load_profile(args.profile, overrides)
-    opening.check_tools(profile)
+    opening.check_tools(profile, tuple(overrides.get("allow_tools") or ()))
     hub = opening.start_servers(profile)
     try:
         return _chat(args, profile, hub)

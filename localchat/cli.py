@@ -68,6 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return commands.run(argv[0], argv[1:])
         chat = bool(argv) and argv[0] == "chat"
         args = chat_parser().parse_intermixed_args(argv[1:] if chat else argv)
+        if not chat and args.prompt and args.prompt[0] in SUBCOMMANDS[1:]:  # options before it: a command misplaced
+            words = " ".join(args.prompt)
+            raise UsageError(f"'{args.prompt[0]}' is a command: it comes first, its options after it (localchat "
+                             f"{words} --help); to send this as a prompt: localchat chat {words}")
         if not chat and len(args.prompt) == 1 and (near := _command_like(args.prompt[0])):
             raise UsageError(f"'{args.prompt[0]}' is not a command; did you mean '{near}'? (to send it as a "
                              f"prompt: localchat chat {args.prompt[0]})")

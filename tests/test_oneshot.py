@@ -57,6 +57,9 @@ def test_bad_one_shot_input_is_one_line_and_exit_2(home):
     assert lonely.returncode == 2 and "--json needs a PROMPT" in lonely.stderr
     typo = run_cli(["sesions"])  # a misspelt command loads no model
     assert typo.returncode == 2 and "did you mean 'sessions'?" in typo.stderr and len(typo.stderr.splitlines()) == 1
+    late = run_cli([*ONE, "sessions", "list"])  # a command after options: not a prompt about sessions
+    assert late.returncode == 2 and "'sessions' is a command: it comes first" in late.stderr and \
+        len(late.stderr.splitlines()) == 1
     sent = run_cli(["chat", *ONE, "sesions"])
     assert sent.returncode == 0 and sent.stdout.strip()  # after `chat` it is a prompt
 

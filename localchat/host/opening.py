@@ -45,10 +45,15 @@ class Opening:
     stats_path: str = ""  # --stats-json: one object per turn (and per tool step), appended
 
 
-def check_tools(profile: Profile) -> None:
-    """ProfileError where the profile approves in advance a tool that may not be (a side effect)."""
+def check_tools(profile: Profile, given: tuple[str, ...] = ()) -> None:
+    """ProfileError where the profile approves in advance a tool that may not be (a side effect); one that
+    --allow-tool named (`given`) is said to be the option's, not the profile file's."""
     builtin = tuple(n for n in profile.allow_tools if not any(n.startswith(full_name(s, "")) for s in profile.mcp))
-    if (profile.tools or profile.mcp) and (problem := advance_problem(builtin)):
+    if not (profile.tools or profile.mcp):
+        return
+    if problem := advance_problem(tuple(n for n in builtin if n in given)):
+        raise ProfileError(f"--allow-tool: {problem.removeprefix('allow_tools: ')}")
+    if problem := advance_problem(builtin):
         raise ProfileError(f"{profile.source}: {problem}")
 
 
