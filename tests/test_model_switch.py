@@ -5,6 +5,8 @@ resumed with another model than the one its tokens were made with is carried ove
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from localchat import runtime
@@ -97,10 +99,13 @@ def test_a_model_that_cannot_be_used_leaves_the_chat_on_its_own(home, demo_path,
 
 
 def test_model_in_line_mode_lists_switches_and_the_status_names_the_model(home, demo_path, gemma_path):
+    from localchat.machine.fetch import EMBEDDING_ALIAS, ensure_builtin
+    ensure_builtin(EMBEDDING_ALIAS, lambda text: None)  # in the models' cache: listed, marked as no chat
     r = run_cli(["--model", str(demo_path), "--max-tokens", "8", "--temperature", "0", "--session", "cli"],
                 stdin="My name is Ana.\n/model\n/model gemma-270m\nWhat is my name?\n")
     assert r.returncode == 0, r.stderr
     assert "* SmolLM2-135M-Instruct" in r.stderr and "gemma-3-270m" in r.stderr  # /model alone: the list
+    assert re.search(r"all-MiniLM-L6-v2\.F16 +cache +\(embeddings: for search by meaning, not a chat\)", r.stderr)
     assert "model gemma-3-270m-q4_k_m.gguf: 1 turn carried over as text" in r.stderr
     assert r.stderr.count("[turn ") == 2
 

@@ -5,6 +5,7 @@ and evaluated once; a model that cannot be used brings the one the chat had back
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from localchat import runtime
 from localchat.chat import carryover
@@ -19,10 +20,18 @@ from localchat.session.lifecycle import Session
 def listing(ctl: Session) -> str:
     """/model alone: the models found (the chat's marked), and how to switch."""
     current = ctl.rt.model.path.resolve()
-    rows = [f"  {'*' if found.path.resolve() == current else ' '} {found.name:<40} {found.source}"
+    rows = [f"  {'*' if found.path.resolve() == current else ' '} {found.name:<40} {found.source}{_kind(found.path)}"
             for found in models.discover()]
     rows = rows or [f"  * {ctl.rt.model.name}"]
     return "\n".join(["models (* this chat's):", *rows, "/model NAME switches (a name above, a path or a built-in)"])
+
+
+def _kind(path: Path) -> str:
+    """What a listed model cannot be switched to for (its metadata read, bounded): "" for a chat model."""
+    try:
+        return "  (embeddings: for search by meaning, not a chat)" if models.model_info(path).embeds_only else ""
+    except (LocalchatError, OSError):
+        return "  (cannot be read)"
 
 
 def switch_model(ctl: Session, name: str) -> str:
