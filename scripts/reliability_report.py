@@ -22,7 +22,8 @@ CLASSES = {
     "test_state_files": "State files: mutated state (every bit of a header flipped), metadata and transcript files "
                         "through the real resume path",
     "test_kill9": "kill -9 of real processes during a turn, during autosave and during resume",
-    "test_bad_input": "Bad input: hostile profiles, broken model files, huge/binary/control input, unwritable disk",
+    "test_bad_input": "Bad input: hostile profiles, broken model files, huge/binary/control input, unwritable disk, "
+                      "text that would steer the terminal",
     "test_privacy": "Privacy: file modes under any umask, no pickle on a load path, no writes elsewhere",
     "test_hostile_templates": "Hostile chat templates in copies of the demo model, refused within bounds",
     "test_hostile_models": "Damaged model files (hyper-parameters, vocabulary, tensors, types, NaN weights)",
@@ -87,7 +88,12 @@ def write(rows: list[dict], took: float, returncode: int) -> int:
               "- **Bad input**: 16 hostile YAML profiles (alias bombs, `!!python` tags, deep nesting, duplicate keys, "
               "NaN, NUL bytes), 6 broken model files (checked before llama.cpp: magic, version, sizes), a 1 MB paste, "
               "binary and non-UTF-8 bytes, control characters, special-token text typed by the user (kept as text), "
-              "a session directory mounted read-only (the chat goes on, told once, files untouched).",
+              "a session directory mounted read-only (the chat goes on, told once, files untouched); 15 texts that "
+              "would steer the terminal (OSC 52 clipboard writes, bare and between \\x01 and \\x02, titles, clears, "
+              "8-bit CSI, carriage returns and backspaces over text, tmux passthrough, bidi overrides, NUL, DEL) "
+              "through each way untrusted text is shown (a reply as Markdown and raw through prompt_toolkit's own "
+              "output, a notice on stderr, line mode's reply on a terminal): every control character shown as its "
+              "escape, no sequence written whole.",
               "- **Privacy**: every file 0600 and directory 0700 under umask 000, 002 and 022; no pickle/marshal/eval "
               "or unsafe YAML anywhere in the package; a chat run with HOME, TMPDIR and LOCALCHAT_HOME redirected "
               "writes nothing outside LOCALCHAT_HOME and the models cache.",

@@ -125,3 +125,59 @@ def test_unwritable_session_directory_keeps_the_chat_going(home, tmp_path, tally
     for ok in checks:
         tally.case(ok)
     assert all(checks), (checks, r.stderr[-800:])
+
+
+# what a file, a command's output or an MCP server may hold, and a model reading it may write back
+STEERING = [
+    "clip \x1b]52;c;aGk=\x07 board", "wrapped \x01\x1b]52;c;aGk=\x07\x02 zero width", "title \x1b]0;owned\x1b\\ end",
+    "clear \x1b[2J\x1b[H screen", "colour \x1b[31mred\x1b[0m", "eight-bit \x9b2J csi", "over\rwritten line",
+    "back\x08\x08\x08spaced", "bell \x07 rings", "tmux \x1bPtmux;\x1b\x1b]52;c;aGk=\x07\x1b\\ pass", "rtl \u202egnp.exe",
+    "isolate \u2066hidden\u2069 text", "nul \x00 byte", "form\x0cfeed", "del \x7f char",
+]
+
+
+def test_text_that_would_steer_the_terminal_is_shown_not_obeyed(tally, capsys):
+    """Every way localchat shows untrusted text (a reply as Markdown and raw, a notice on stderr, line mode's reply
+    on a terminal) writes each control character as its escape: none of the payload reaches the terminal whole."""
+    import io
+
+    from prompt_toolkit.data_structures import Size
+    from prompt_toolkit.formatted_text import FormattedText
+    from prompt_toolkit.output.vt100 import Vt100_Output
+    from prompt_toolkit.shortcuts import print_formatted_text
+
+    from localchat.ui.lineui import _Output
+    from localchat.ui.liveview import markdown
+    from localchat.ui.reports import Reports, printable
+
+    def on_terminal(fragments) -> str:
+        written = io.StringIO()
+        out = Vt100_Output(written, lambda: Size(rows=40, columns=120), term="xterm-256color")
+        print_formatted_text(FormattedText(fragments), output=out)
+        return written.getvalue()
+
+    def line_mode(text: str) -> str:
+        leader, follower = os.openpty()
+        try:
+            with open(follower, "w", closefd=False) as tty:
+                _Output(tty, io.StringIO()).emit(text)
+            return os.read(leader, 1 << 16).decode(errors="replace")
+        finally:
+            os.close(leader)
+            os.close(follower)
+
+    reports = Reports()
+    failures = []
+    for payload in STEERING:
+        controls = [c for c in payload if c != printable(c)]
+        reports(payload)
+        shown = {"markdown": on_terminal(markdown(payload, 120)), "raw": on_terminal([("", printable(payload))]),
+                 "stderr": capsys.readouterr().err, "line mode": line_mode(payload)}
+        for sink, written in shown.items():
+            # the escape of each control character is shown; the payload's own sequences never whole
+            ok = all(printable(c) in written for c in controls) and payload not in written and \
+                not any(seq in written for seq in ("\x1b]", "\x1bP", "\x9b", "\x07", "\x08", "\u202e", "\u2066"))
+            tally.case(ok)
+            if not ok:
+                failures.append((sink, payload, written[-200:]))
+    assert not failures, failures
