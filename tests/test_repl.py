@@ -642,6 +642,8 @@ def test_on_stderr_a_progress_line_is_redrawn_in_place_and_what_steers_a_termina
     reports("[tool run_command: ok]\n  | \x1b[2J\u202egnp.exe\rdone\x07")
     assert capsys.readouterr().err == "\rembedding: 1 of 9\rembedding: 9 of 9\n" \
         "[tool run_command: ok]\n  | \\x1b[2J\\u202egnp.exe\\rdone\\x07\n"  # a line after progress: its own
+    from localchat.ui.reports import printable
+    assert printable("a CRLF file\r\nquoted\r\n") == "a CRLF file\nquoted\n"  # its line ends are line ends
 
 
 def test_a_resumed_tool_loop_shows_the_users_words_each_calls_outcome_and_the_answer(home, demo_path):

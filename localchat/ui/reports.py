@@ -15,8 +15,9 @@ _STEERING = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]"
 
 
 def printable(text: str) -> str:
-    """The text with each character that steers a terminal written as its escape (ESC as \\x1b)."""
-    return _STEERING.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+    """The text with each character that steers a terminal written as its escape (ESC as \\x1b); a Windows line
+    end is a line end (a model quoting a CRLF file)."""
+    return _STEERING.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text.replace("\r\n", "\n"))
 
 
 class Reports:
