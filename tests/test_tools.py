@@ -275,6 +275,7 @@ def test_line_mode_shows_what_would_steer_a_terminal_and_obeys_none_of_it(home, 
         os.close(terminal[0])
         os.close(terminal[1])
         session.close()
+        rt.close()
 
 
 # ---------------------------------------------------------------- approval costs no time
