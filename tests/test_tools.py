@@ -214,8 +214,13 @@ def test_three_calls_in_one_reply_each_get_their_result(demo_engine, official_di
     assert st.recomputed_tokens <= st.new_tokens + 1
 
 
-def test_a_side_effect_cannot_be_approved_in_advance(home, demo_path):
+def test_a_side_effect_cannot_be_approved_in_advance(home, demo_path, tmp_path):
     from tests.conftest import run_cli
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("extends: cpu\nallow_tools: [write_file]\n")
+    r = run_cli(["--profile", str(mine), "--model", str(demo_path), "--tools"], "Hello\n", {"LOCALCHAT_HOME": str(home)})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        f"localchat: {mine}: allow_tools: write_file has side effects") and not r.stdout  # the file that says so
     r = run_cli(["--model", str(demo_path), "--tools", "--allow-tool", "read_file", "--allow-tool", "write_file"],
                 "Hello\n", {"LOCALCHAT_HOME": str(home)})
     # the option is named, not the profile's file, which says nothing of it

@@ -52,9 +52,9 @@ def check_tools(profile: Profile, given: tuple[str, ...] = ()) -> None:
     if not (profile.tools or profile.mcp):
         return
     if problem := advance_problem(tuple(n for n in builtin if n in given)):
-        raise ProfileError(f"--allow-tool: {problem.removeprefix('allow_tools: ')}")
+        raise ProfileError(f"--allow-tool: {problem}")
     if problem := advance_problem(builtin):
-        raise ProfileError(f"{profile.source}: {problem}")
+        raise ProfileError(f"{profile.source}: allow_tools: {problem}")
 
 
 def start_servers(profile: Profile) -> Hub | None:

@@ -80,8 +80,8 @@ class Registry:
         for name in names:
             tool = self.get(name)
             if tool is None:
-                return f"allow_tools: there is no built-in tool {name!r} (they are: {', '.join(self.names())})"
+                return f"there is no built-in tool {name!r} (they are: {', '.join(self.names())})"
             if not tool.read_only:
-                return (f"allow_tools: {name} has side effects: it is approved call by call, never in advance "
+                return (f"{name} has side effects: it is approved call by call, never in advance "
                         f"(tools that may be: {', '.join(self.names(read_only=True))})")
         return ""

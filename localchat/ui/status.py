@@ -124,9 +124,9 @@ def toolbar(s: BarState) -> Fragments:
     """The bottom bar as prompt_toolkit style fragments, most telling first (narrow terminals cut the end)."""
     pct = 100 * s.ctx_used / s.n_ctx if s.n_ctx else 0
     frags: Fragments = [("class:bar.profile", f" {s.profile} ")]
-    if s.phase in ("prefill", "rebuilding"):
+    if s.phase == "prefill":
         done, total = s.progress
-        frags.append(("class:bar.busy", f" {s.phase} {done}/{total} "))
+        frags.append(("class:bar.busy", f" prefill {done}/{total} "))
     elif s.phase == "generating":
         frags.append(("class:bar.busy", f" generating {s.live_tokens} "))
     elif s.phase == "asking":
@@ -135,7 +135,8 @@ def toolbar(s: BarState) -> Fragments:
     if st is not None:
         style = "class:bar.miss" if st.cache_miss else "class:bar.hit"
         ttft, tps = turn_speed(st)
-        frags += [(style, f"{'| ' if s.phase else ' '}cached {st.cached_tokens} recomputed {st.recomputed_tokens} "),
+        lead = "| " if len(frags) > 1 else " "  # after the busy part, its separator
+        frags += [(style, f"{lead}cached {st.cached_tokens} recomputed {st.recomputed_tokens} "),
                   *[("class:bar.hit", f"| {part} ") for part in _stored(st)],
                   ("class:bar", f"| TTFT {ttft:.2f}s | {tps:.1f} tok/s ")]
         frags += [("class:bar", f"| {part} ") for part in _reply_parts(st)]
