@@ -45,6 +45,7 @@ def fits(name, args):
     (WRAPPED, 0, [("read_file", {"path": "stats.py"}), ("search_text", {"pattern": "(average|total)"})]),
     ('Sure. {"type": "function", "function": {"name": "read_file", "arguments": {"path": "a"}}}', 6,
      [("read_file", {"path": "a"})]),  # OpenAI's form
+    ('{{"name": "read_file", "arguments": {"path": "a"}}', 0, [("read_file", {"path": "a"})]),  # a doubled brace
 ])
 def test_a_json_object_naming_an_offered_tool_is_a_call(text, start, calls):
     assert loosecalls.find(text, NAMES, fits) == (start, calls)
@@ -56,6 +57,7 @@ def test_a_json_object_naming_an_offered_tool_is_a_call(text, start, calls):
     '[{"name": "read_file", "arguments": {"path": "a"}}, {"name": "nope", "arguments": {}}]',  # one of them
     'Write {"name": "Ada", "age": 36} to people.json.',  # a JSON object of the user's
     '{"type": "function", "function": "a function is a rule"}',  # the words, not a call
+    'In the template write {{ name }} or {{"name"}}.',  # a template's placeholders
     '```python\nprint({"name": "read_file"})\n```',
 ])
 def test_anything_else_stays_text(text):
@@ -120,6 +122,8 @@ def test_a_call_never_reaches_the_screen_and_everything_else_does(chunk):
 
     assert shown(FENCED) == ("Let me check.", True)
     assert shown("I will look.\n" + WRAPPED) == ("I will look.", True)  # the wrapper goes with its calls
+    # as the 1.5B called again after a result through `localchat serve` (2026-12-07): its stream began with "{"
+    assert shown('{{"name": "read_file", "arguments": {"path": "a"}}') == ("", True)
     assert shown("Sure.\n<tool_call>\n{...") == ("Sure.", True)  # the call's leading blank lines with it
     prose = 'Use ```python\nprint({"a": 1})\n``` and [a link](x), {"name": "other"}, `code` <tool'
     assert shown(prose) == (prose, False)  # held back only while it might open a call

@@ -435,9 +435,10 @@ def test_a_read_repeated_after_an_edit_runs_again(demo_engine, official_dir, tmp
 
 FENCED_CALL = '```json\n{\n  "name": "read_file",\n  "arguments": {\n    "path": "notes.txt"\n  }\n}\n```'
 WRAPPED_CALL = '```\n{\n  "function": {\n    "name": "read_file",\n    "arguments": {"path": "notes.txt"}\n  }\n}\n```'
+DOUBLED_CALL = '{{"name": "read_file", "arguments": {"path": "notes.txt"}}'  # as the 1.5B called after a JSON result
 
 
-@pytest.mark.parametrize("written", [FENCED_CALL, WRAPPED_CALL])
+@pytest.mark.parametrize("written", [FENCED_CALL, WRAPPED_CALL, DOUBLED_CALL])
 def test_a_loose_call_runs_and_is_laid_out_as_its_template_writes_calls(demo_engine, official_dir, tmp_path, written):
     """Qwen2.5-Coder writes its calls as fenced JSON, at times inside a {"function": ...} wrapper: the call runs
     (the wrapper neither shown nor kept as words); before its result the reply takes the template's <tool_call>

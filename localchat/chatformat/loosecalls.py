@@ -27,8 +27,9 @@ CALL_KEYS = frozenset(NAME_KEYS + ARGS_KEYS + ("id", "type"))  # all a call-shap
 # model asked to answer writes its call again with the key or the name misspelt: "name ", "search_text_result")
 NO_CALL_OPENINGS = (r"```json", r'\{\s*"')
 # an object some models wrap a call in, as OpenAI's API writes one ({"type": "function", "function": {call}}); the
-# 1.5B writes {"function": {call}, {call}}: its calls are read from the inner object on, the wrapper goes with them
-_WRAPPER = r'(?:\{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"function"\s*:\s*)?'
+# 1.5B writes {"function": {call}, {call}}, and {{call}} after a tool's result: its calls are read from the inner
+# object on, the wrapper goes with them
+_WRAPPER = r'(?:\{\s*(?:(?:"type"\s*:\s*"function"\s*,\s*)?"function"\s*:\s*)?)?'
 NO, MORE = -1, -2  # a step's answer where it cannot go on: the text opens no call; the text ends too soon
 UNOFFERED = -3  # a step's answer: the object names a tool that is not offered (known once it closes)
 
@@ -214,10 +215,12 @@ class Spotter:
 
     @staticmethod
     def _wrapper(text: str, i: int) -> int:
-        """Past an object wrapping the call ({"function": or {"type": "function", "function":); NO where there is
-        none."""
+        """Past an object wrapping the call ({"function":, {"type": "function", "function": or a brace alone); NO
+        where there is none."""
         i = Spotter._brace(text, i)
         if i < 0:
+            return i
+        if text.startswith("{", i):  # {{call}}
             return i
         after_type = _literal(text, i, '"type"')
         if after_type == MORE:
