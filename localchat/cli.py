@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from localchat import __version__
 from localchat.errors import LocalchatError, UsageError
-from localchat.options import overrides, profile_args, setting_args
+from localchat.options import Parser, overrides, profile_args, setting_args
 
 SUBCOMMANDS = ("chat", "models", "plan", "sessions", "search", "serve", "bench", "profiles", "cache", "mcp", "doctor",
                "completions")
@@ -29,7 +29,7 @@ def _command_like(word: str) -> str:
 
 
 def chat_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat", description="Chat with a local GGUF model; the KV cache "
+    p = Parser(prog="localchat", description="Chat with a local GGUF model; the KV cache "
                                 "lives across turns and across runs.",
                                 epilog="subcommands: localchat {models,plan,doctor,profiles,sessions,search,serve,"
                                        "cache,mcp,completions,bench} --help")

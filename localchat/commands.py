@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from localchat import completion
 from localchat.errors import ModelError, ProfileError, SessionError
-from localchat.options import overrides, print_json, profile_args, setting_args
-from localchat.settings import settings_table
+from localchat.options import Parser, overrides, print_json, profile_args, setting_args
+from localchat.settings import rule, settings_table
 from localchat.ui.reports import Reports, printable
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ _report = Reports()  # diagnostics on stderr: a progress line redrawn in place, 
 
 # ---------------------------------------------------------------- models
 def models_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat models", description="GGUF models found on this machine")
+    p = Parser(prog="localchat models", description="GGUF models found on this machine")
     p.add_argument("--json", action="store_true")
     return p
 
@@ -105,7 +105,7 @@ def _model_line(r: dict[str, Any]) -> list[str]:
 
 # ---------------------------------------------------------------- plan
 def plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat plan", description="memory plan for a profile and a model")
+    p = Parser(prog="localchat plan", description="memory plan for a profile and a model")
     profile_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable; keys documented in docs/profiles.md")
     return p
@@ -246,7 +246,7 @@ def _fenced(text: str) -> str:
 
 
 def sessions_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat sessions", description="saved sessions")
+    p = Parser(prog="localchat sessions", description="saved sessions")
     p.add_argument("action", nargs="?", default="list", choices=("list", "show", "verify", "rm", "export", "remake"))
     p.add_argument("name", nargs="?")
     p.add_argument("--json", action="store_true")
@@ -329,7 +329,7 @@ def _embedding_progress(done: int, total: int) -> None:
 
 
 def search_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat search", description="search every session's messages")
+    p = Parser(prog="localchat search", description="search every session's messages")
     p.add_argument("query", nargs="+")
     p.add_argument("--session", help="only this session")
     p.add_argument("--since", metavar="DATE", help="from this date on (YYYY-MM-DD[THH:MM])")
@@ -372,7 +372,7 @@ def cmd_search(argv: Sequence[str]) -> int:
 
 # ---------------------------------------------------------------- the prefix store
 def cache_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat cache", description="the prefix store: the saved KV of system "
+    p = Parser(prog="localchat cache", description="the prefix store: the saved KV of system "
                                 "prompts and attached documents that new chats start from")
     p.add_argument("action", nargs="?", default="list", choices=("list", "rm", "clear"))
     p.add_argument("key", nargs="*", help="rm: keys (or their first characters) as 'cache list' shows them")
@@ -411,7 +411,7 @@ def cmd_cache(argv: Sequence[str]) -> int:
 
 # ---------------------------------------------------------------- profiles
 def profiles_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat profiles", description="shipped and user profiles")
+    p = Parser(prog="localchat profiles", description="shipped and user profiles")
     p.add_argument("--json", action="store_true")
     p.add_argument("--keys", action="store_true", help="every key a profile may set: type, default, values, option")
     p.add_argument("--markdown", action="store_true", help="with --keys: as the Markdown table docs/profiles.md holds")
@@ -470,7 +470,7 @@ def cmd_bench(argv: Sequence[str]) -> int:
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat serve", description="Serve the profile's model to other programs "
+    p = Parser(prog="localchat serve", description="Serve the profile's model to other programs "
                                 "through OpenAI's and Anthropic's APIs; each conversation's KV is kept, across "
                                 "requests and restarts, as a session.")
     profile_args(p)
@@ -494,7 +494,7 @@ def cmd_serve(argv: Sequence[str]) -> int:
 
 
 def mcp_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat mcp")
+    p = Parser(prog="localchat mcp")
     p.add_argument("action", choices=("list", "check"))
     p.add_argument("name", nargs="?", help="one server (default: all)")
     profile_args(p)
@@ -546,13 +546,27 @@ def _server_lines(name: str, server: Any, tokenizer: Any, whole: bool) -> list[s
     return lines
 
 
+def doctor_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="localchat doctor", description="check this machine in one screen: the llama.cpp build, its "
+                                                   "devices, the profile that fits, a real load, the state")
+    p.add_argument("--profile", "-p", help="profile name or YAML path for the load (default: the shipped profile "
+                   "that fits this machine)")
+    model = rule("model")
+    p.add_argument(model.flag, model.short, dest="model", help=model.help)
+    p.add_argument("--no-load", action="store_true", help="skip loading the model (no offload check, no speeds)")
+    p.add_argument("--json", action="store_true", help="one object: ok, model, profile, checks")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug logging, llama.cpp's log included")
+    return p
+
+
 def cmd_doctor(argv: Sequence[str]) -> int:
-    from localchat import doctor
-    return doctor.main(argv)
+    args = doctor_parser().parse_args(argv)
+    from localchat import doctor  # it loads llama_cpp as it is imported
+    return doctor.main(args)
 
 
 def completions_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat completions", description="a script that completes localchat's "
+    p = Parser(prog="localchat completions", description="a script that completes localchat's "
                                 "command line: eval \"$(localchat completions bash)\", or install it where the "
                                 "shell looks for completions")
     p.add_argument("shell", choices=completion.SHELLS)
@@ -565,12 +579,12 @@ def cmd_completions(argv: Sequence[str]) -> int:
     return 0
 
 
-# every command's parser, built without running it (the shells' completion reads them); bench's and doctor's are
-# built in modules that load llama_cpp as they are imported: those two complete by name only
+# every command's parser, built without running it (the shells' completion reads them); bench's is built in a module
+# that loads llama_cpp as it is imported: it completes by name only
 PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "models": models_parser, "plan": plan_parser, "sessions": sessions_parser, "search": search_parser,
     "cache": cache_parser, "profiles": profiles_parser, "mcp": mcp_parser, "completions": completions_parser,
-    "serve": serve_parser}
+    "serve": serve_parser, "doctor": doctor_parser}
 
 
 def run(name: str, argv: Sequence[str]) -> int:

@@ -12,7 +12,6 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from localchat.machine import profiles
 from localchat.machine.models import ModelInfo
 from localchat.session import remake, writes
 from localchat.session.sessiondir import list_sessions
-from localchat.settings import Profile, rule
+from localchat.settings import Profile
 from localchat.ui.reports import Reports
 
 GIB, MIB = 1 << 30, 1 << 20
@@ -328,19 +327,6 @@ def check_directories(profile: Profile) -> Check:
 
 
 # ---------------------------------------------------------------- the command
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat doctor", description="check this machine in one screen: the "
-                                "llama.cpp build, its devices, the profile that fits, a real load, the state")
-    p.add_argument("--profile", "-p", help="profile name or YAML path for the load (default: the shipped profile "
-                   "that fits this machine)")
-    model = rule("model")
-    p.add_argument(model.flag, model.short, dest="model", help=model.help)
-    p.add_argument("--no-load", action="store_true", help="skip loading the model (no offload check, no speeds)")
-    p.add_argument("--json", action="store_true", help="one object: ok, model, profile, checks")
-    p.add_argument("--verbose", "-v", action="store_true", help="debug logging, llama.cpp's log included")
-    return p
-
-
 def _show(checks: list[Check]) -> None:
     for c in checks:
         _out(f"{'ok' if c.ok else 'FAIL':<5} {c.name:<9} {c.verdict}")
@@ -351,10 +337,9 @@ def _show(checks: list[Check]) -> None:
          else f"all {len(checks)} checks pass")
 
 
-def main(argv: Sequence[str]) -> int:
-    """0 when every check passes, 1 when one found a problem; a bad option, profile or model is a
-    LocalchatError (exit 2 in cli)."""
-    args = _parser().parse_args(argv)
+def main(args: argparse.Namespace) -> int:
+    """`localchat doctor` with its options (commands.doctor_parser): 0 when every check passes, 1 when one found a
+    problem; a bad profile or model is a LocalchatError (exit 2 in cli)."""
     asked = {"model": args.model}
     profile = runtime.load_profile(args.profile, asked)  # without --profile: the cpu profile's model
     info = runtime.resolve_model(profile, _report)

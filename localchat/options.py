@@ -6,9 +6,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from localchat.settings import KV_TYPES, SETTING_KEYS, Rule, accepted_types, settings
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose mistakes are told in one line, exit code 2 (argparse prints its whole usage first):
+    "localchat: --seed: invalid int value: 'abc' (see 'localchat --help')"."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message.removeprefix('argument ')} (see '{self.prog} --help')\n")
 
 
 def _int_or_auto(text: str) -> int | str:

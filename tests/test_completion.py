@@ -145,7 +145,8 @@ def test_words_of_the_prompt_complete_nothing():
 
 
 @pytest.mark.parametrize("words", [["localchat", ""], ["localchat", "--profile", ""], ["localchat", "--model", ""],
-                                   ["localchat", "sessions", "show", ""], ["localchat", "plan", "--kv-type", ""]])
+                                   ["localchat", "sessions", "show", ""], ["localchat", "plan", "--kv-type", ""],
+                                   ["localchat", "doctor", "--"]])
 def test_completion_imports_neither_llama_cpp_nor_prompt_toolkit(words):
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "localchat", "__complete", str(len(words) - 1),
                         *words], capture_output=True, text=True, timeout=60)

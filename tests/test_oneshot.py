@@ -63,6 +63,14 @@ def test_bad_one_shot_input_is_one_line_and_exit_2(home):
     sent = run_cli(["chat", *ONE, "sesions"])
     assert sent.returncode == 0 and sent.stdout.strip()  # after `chat` it is a prompt
 
+    # an option argparse refuses: one line naming it, not the whole usage first
+    for args, said in ((["--seed", "abc", "hi"], "localchat: --seed: invalid int value: 'abc'"),
+                       (["--bogus", "hi"], "localchat: unrecognized arguments: --bogus"),
+                       (["search", "--limit", "x", "foo"], "localchat search: --limit: invalid int value: 'x'"),
+                       (["serve", "--port", "99999"], "localchat: --port: 99999 is out of range")):
+        r = run_cli(args)
+        assert r.returncode == 2 and r.stderr.startswith(said) and len(r.stderr.splitlines()) == 1, r.stderr
+
 
 def test_without_a_prompt_stdin_lines_are_still_turns(home):
     r = run_cli([*ONE, "--no-session"], stdin="Hello\nThanks\n")

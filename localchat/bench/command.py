@@ -29,7 +29,7 @@ from localchat.bench.modes import Peers, Row, repeat_last_turn, run_localchat, r
 from localchat.bench.peer import PeerServer, run_llama_bench
 from localchat.engine import llama_version
 from localchat.errors import UsageError
-from localchat.options import overrides, profile_args
+from localchat.options import Parser, overrides, profile_args
 from localchat.settings import Profile
 
 
@@ -189,7 +189,7 @@ def _start_peers(args, cfg, stack: contextlib.ExitStack, kv: str, progress) -> P
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="localchat bench", description=__doc__.splitlines()[0])
+    p = Parser(prog="localchat bench", description=__doc__.splitlines()[0])
     profile_args(p)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--system-tokens", type=int, default=1024)

@@ -27,6 +27,8 @@ def check_address(host: str, api_key: str) -> None:
 
 def check_port(host: str, port: int) -> None:
     """UsageError where the address cannot be listened on (before the model loads for nothing)."""
+    if not 0 < port < 65536:
+        raise UsageError(f"--port: {port} is out of range; it must be 1 to 65535")
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         try:
             probe.bind((host, port))
