@@ -146,43 +146,6 @@ def cmd_plan(argv: Sequence[str]) -> int:
 
 
 # ---------------------------------------------------------------- sessions
-def _session_row(s: SessionDir) -> dict:
-    from localchat.session import writes
-    m = s.read_meta()
-    conv = s.conversation()
-    raw = m.get("kv_written")
-    written: dict[str, Any] = raw if isinstance(raw, dict) else {}
-    return {"name": s.name, "turns": conv.turns, "tokens": m.get("tokens", len(conv.window_tokens())),
-            "model": m.get("model", {}).get("name"), "size": s.size_on_disk(),
-            "state_size": s.state.stat().st_size if s.state.exists() else 0, "last_used": m.get("updated"),
-            "profile": m.get("profile"), "origin": s.read_origin() or None,
-            "kv_written_today": written.get("today", 0) if written.get("day") == writes.today() else 0,
-            "kv_written_total": written.get("total", 0)}
-
-
-def as_tree(rows: list[dict]) -> list[tuple[int, dict]]:
-    """The rows with each fork under the session it came from: (depth, row), a session's forks in their order
-    (a fork whose origin is gone, or origins that loop, at the top)."""
-    names = {r["name"] for r in rows}
-    forks: dict[str, list[dict]] = {}
-    for r in rows:
-        origin = str((r["origin"] or {}).get("session", ""))
-        forks.setdefault(origin if origin in names and origin != r["name"] else "", []).append(r)
-    out: list[tuple[int, dict]] = []
-    seen: set[str] = set()
-
-    def add(row: dict, depth: int) -> None:
-        if row["name"] in seen:
-            return
-        seen.add(row["name"])
-        out.append((depth, row))
-        for fork in forks.get(row["name"], []):
-            add(fork, depth + 1)
-    for row in [*forks.get("", []), *rows]:
-        add(row, 0)
-    return out
-
-
 def verify_session(s: SessionDir) -> list[str]:
     """Every check a resume makes, without loading the model. Returns problems (empty: all good)."""
     from localchat.session import statefile
@@ -258,18 +221,15 @@ def sessions_parser() -> argparse.ArgumentParser:
 
 
 def cmd_sessions(argv: Sequence[str]) -> int:
-    from localchat.session.sessiondir import SessionDir, list_sessions
+    from localchat.session import listing
+    from localchat.session.sessiondir import SessionDir
     args = sessions_parser().parse_args(argv)
     if args.action == "list":
-        rows = [_session_row(s) for s in list_sessions()]
+        rows = listing.session_rows()
         if args.json:
             print_json(rows)
-        for depth, r in as_tree(rows) if not args.json else []:
-            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["last_used"])) if r["last_used"] else "-"
-            name = f"{'  ' * (depth - 1)}└ {r['name']}" if depth else r["name"]
-            fork = f"  (fork of {r['origin']['session']} at turn {r['origin']['turn']})" if depth else ""
-            _out(f"{name:<28} {r['turns']:>4} turns {r['tokens']:>7} tok  KV {r['state_size'] / 1e6:>8.1f} MB  "
-                 f"{when}  {r['model'] or '-'}{fork}")
+        for line in listing.tree_lines(rows) if not args.json else []:
+            _out(line)
         return 0
     if args.action == "remake":
         from localchat.session import remake
@@ -284,7 +244,7 @@ def cmd_sessions(argv: Sequence[str]) -> int:
     if not s.exists():
         raise SessionError(f"no session named '{args.name}' (see 'localchat sessions')")
     if args.action == "show":
-        row = _session_row(s)
+        row = listing.session_row(s)
         if args.json:
             print_json({**row, "meta": s.read_meta()})
         else:

@@ -132,7 +132,8 @@ def test_help_stats_cache_profile_sessions_system(ui, monkeypatch):
     assert "cached" in table and "recomp" in table and "\n    1 " in table
     assert "KV holds" in ui.command("/cache") and "prefix store: 1 states" in ui.command("/cache")
     assert "largest n_ctx that fits" in ui.command("/profile")
-    assert "ui" in ui.command("/sessions")
+    listed = ui.command("/sessions").splitlines()  # as `localchat sessions` lists them, this chat's starred
+    assert [x.split()[:4] for x in listed if x.startswith("* ")] == [["*", "ui", "1", "turns"]], listed
     assert "system prompt set" in ui.command("/system Answer in French.")
     st = ui.say("Bonjour")
     assert st["miss_cause"] == "system prompt changed"

@@ -6,7 +6,6 @@ import difflib
 import shlex
 import shutil
 import textwrap
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -17,8 +16,7 @@ from localchat.chat.stats import TurnStats
 from localchat.errors import DocumentError
 from localchat.host.host import Host
 from localchat.machine import planview
-from localchat.session import prefixcache, searchindex
-from localchat.session.sessiondir import list_sessions
+from localchat.session import listing, prefixcache, searchindex
 from localchat.settings import SETTING_KEYS
 from localchat.ui import clipboard
 from localchat.ui.status import ViewPrefs
@@ -96,12 +94,9 @@ def _model(ctx: CommandContext, arg: str) -> str:
 
 
 def _sessions(ctx: CommandContext, arg: str) -> str:
-    rows = []
-    for s in list_sessions():
-        m = s.read_meta()
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(m.get("updated", 0))) if m else "-"
-        rows.append(f"  {s.name:<28} {m.get('turns', '?'):>4} turns {m.get('tokens', '?'):>7} tok  {when}")
-    return "\n".join(rows) or "no sessions yet"
+    """As `localchat sessions` lists them, this chat's starred."""
+    store = ctx.host.session.store
+    return "\n".join(listing.tree_lines(listing.session_rows(), store.name if store else "")) or "no sessions yet"
 
 
 def _system(ctx: CommandContext, arg: str) -> str:
