@@ -413,3 +413,34 @@ def test_a_tool_call_round_trips_through_both_apis_on_the_real_model(assistant_p
         assert answer.usage.input_tokens <= 40  # the result and its template text: the rest was cached
     finally:
         server.stop()
+
+
+@pytest.mark.real
+def test_a_reply_begun_by_the_client_goes_on_from_its_words(assistant_path, tmp_path):
+    """A request ending with an assistant message asks the model to go on from it (Anthropic's prefill; a reply
+    cut at max_tokens sent back): the prompt ends with those words, the answer is what follows them, and the
+    conversation keeps the reply whole."""
+    server = Server(assistant_path, tmp_path / "home", "--temperature", "0")
+    try:
+        ask = {"role": "user", "content": "What is the capital of France? Answer in JSON with a key capital."}
+        prefilled = server.anthropic().messages.create(model="m", max_tokens=40, messages=[
+            ask, {"role": "assistant", "content": '{"capital": "'}])
+        assert prefilled.content[0].text.startswith("Paris"), prefilled  # after the words, not a reply of its own
+
+        client = server.openai()
+        msgs = [{"role": "user", "content": "Write a haiku about the sea."}]
+        cut = client.chat.completions.create(model="m", messages=msgs, max_tokens=6)
+        assert cut.choices[0].finish_reason == "length"
+        server.settle()
+        start = cut.choices[0].message.content
+        rest = client.chat.completions.create(model="m", messages=[*msgs, {"role": "assistant", "content": start}],
+                                              max_tokens=60)
+        assert rest.choices[0].finish_reason == "stop" and not rest.choices[0].message.content.startswith(start)
+        # the cut reply's tokens as sampled: only the last, never evaluated, is evaluated now
+        assert rest.usage.prompt_tokens - rest.usage.prompt_tokens_details.cached_tokens == 1
+        server.settle()
+        kept = [r.get("content") for f in (tmp_path / "home" / "sessions").glob("*/transcript.jsonl")
+                for r in map(json.loads, f.read_text().splitlines()) if r.get("role") == "assistant"]
+        assert start + rest.choices[0].message.content in kept, kept
+    finally:
+        server.stop()

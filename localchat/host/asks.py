@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from localchat.chatformat.templates import USER_SENTINEL, ChatFormat
+from localchat.chatformat.templates import REPLY_SENTINEL, USER_SENTINEL, ChatFormat
 from localchat.chatformat.toolcalls import ToolCall
 from localchat.chatformat.toolgrammar import NotWritable, Rules
 from localchat.errors import RequestError
@@ -85,9 +85,16 @@ def check_messages(messages: list[dict[str, Any]]) -> None:
         raise RequestError("the last message is a reply's tool calls: their results are expected after it")
 
 
-def reply_message(answer: Answer) -> dict[str, Any]:
-    """The answer as the client sends it back in its next request."""
-    out: dict[str, Any] = {"role": "assistant", "content": answer.text}
+def begun(messages: list[dict[str, Any]]) -> str | None:
+    """The reply's start where the request ends with one (an assistant message without calls: Anthropic's prefill,
+    or a reply cut short sent back to go on); None where it ends otherwise."""
+    return messages[-1]["content"] if messages[-1]["role"] == "assistant" else None
+
+
+def reply_message(answer: Answer, start: str = "") -> dict[str, Any]:
+    """The answer as the client sends it back in its next request (after the reply's `start` it was asked to go on
+    from)."""
+    out: dict[str, Any] = {"role": "assistant", "content": start + answer.text}
     if answer.thought:
         out["reasoning_content"] = answer.thought
     if answer.calls:
@@ -118,8 +125,17 @@ class Prompts:
             [{"role": "user", "content": messages[0]["content"]}]
 
     def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
-        """The prompt for a reply after these messages."""
-        return self._laid_out(self.messages_for_template(messages), tools)
+        """The prompt for a reply after these messages; where the last is the reply's start, the prompt ends with
+        it: the template's header of that reply, then its words (as sampled where the server wrote them)."""
+        start = begun(messages)
+        if start is None:
+            return self._laid_out(self.messages_for_template(messages), tools)
+        head = self._laid_out(self.messages_for_template([*messages[:-1], {"role": "assistant",
+                                                                            "content": REPLY_SENTINEL}]),
+                              tools, cut=REPLY_SENTINEL)
+        if not head:
+            raise RequestError("this model's chat template cannot go on from a reply's start (the last message)")
+        return head + (self.sampled.get(start) or self.tokenize(start, False, False) if start else [])
 
     def next_prefix(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         """What the next request after these messages (the reply last) starts with: up to the next

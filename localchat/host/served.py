@@ -37,7 +37,7 @@ from localchat.chatformat.toolgrammar import NO_CALL, loose_grammar
 from localchat.engine import Cancelled, Generation, SamplingConfig, free_sampler, prime_sampler
 from localchat.errors import RequestError, SessionError
 from localchat.fsutil import atomic_write
-from localchat.host.asks import Answer, Ask, Prompts, check_messages, normalised, reply_message, schema_grammar
+from localchat.host.asks import Answer, Ask, Prompts, begun, check_messages, normalised, reply_message, schema_grammar
 from localchat.session import statefile
 from localchat.session.kvdisk import check_state
 from localchat.session.lifecycle import Session
@@ -276,13 +276,8 @@ class Served:
             done = self.engine.prefill(prompt, cancelled=sink.cancelled)
             stages.stamp("prefill_end")
             answer = self._reply(ask, min(ask.max_tokens or room, room), stages.timed(sink), drawn, stages)
-            if answer.calls and unoffered_only(answer.calls, ask.tools):  # made up: the client could not run it
-                answer = self._answer_instead(ask, messages, answer, sink, Unoffered(answer.calls[0].name).text,
-                                              "is not an offered tool")
-            elif answer.calls and _repeats(answer, messages):
-                answer = self._answer_instead(ask, messages, answer, sink,
-                                              Repeated(answer.calls[0].name, last=True).text,
-                                              "repeats the call just answered")
+            if begun(messages) is None:  # where the client wrote the reply's start, nothing is told in its words
+                answer = self._checked_calls(ask, messages, answer, sink)
         except Cancelled:  # the client went away: nothing to answer or keep
             if ask.seed is not None:
                 free_sampler(drawn[0])  # _reply frees a seeded one; this never reached it
@@ -302,6 +297,17 @@ class Served:
         messages = normalised(ask.messages)
         check_messages(messages)
         return len(self.prompts.prompt(messages, ask.tools))
+
+    def _checked_calls(self, ask: Ask, messages: list[dict[str, Any]], answer: Answer, sink: TurnSink) -> Answer:
+        """The answer, or, where its calls are of tools not offered or repeat those just answered, the answer the
+        model gives once told so."""
+        if answer.calls and unoffered_only(answer.calls, ask.tools):  # made up: the client could not run it
+            return self._answer_instead(ask, messages, answer, sink, Unoffered(answer.calls[0].name).text,
+                                        "is not an offered tool")
+        if answer.calls and _repeats(answer, messages):
+            return self._answer_instead(ask, messages, answer, sink, Repeated(answer.calls[0].name, last=True).text,
+                                        "repeats the call just answered")
+        return answer
 
     def _answer_instead(self, ask: Ask, messages: list[dict[str, Any]], repeat: Answer, sink: TurnSink,
                         told: str, why: str) -> Answer:
@@ -402,7 +408,8 @@ class Served:
               answer: Answer, origin: str) -> Kept:
         """The answered request kept: in the conversation it continues, or a new one (`origin`: the one the KV
         held, whose tokens it may share)."""
-        said = [*messages, reply_message(answer)]
+        start = begun(messages)
+        said = [*messages, reply_message(answer)] if start is None else [*messages[:-1], reply_message(answer, start)]
         if owner is None:
             owner = Kept(_new_store(), [], tools, [], origin=origin)
             owner.store.lock()
