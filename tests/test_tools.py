@@ -283,6 +283,29 @@ def test_line_mode_shows_what_would_steer_a_terminal_and_obeys_none_of_it(home, 
         rt.close()
 
 
+def test_line_mode_on_a_terminal_keeps_a_windows_line_end_cut_between_two_pieces():
+    """A reply quoting a CRLF file: its "\r\n" is a line end on the terminal, also where the stream handed the "\r"
+    and the "\n" out in two pieces (it showed "\\r" there, a bare "\r" being a character that steers)."""
+    import io
+    import os
+    import select
+
+    from localchat.ui.lineui import _Output
+    master, slave = os.openpty()
+    try:
+        with open(slave, "w", closefd=False) as tty:
+            out = _Output(tty, io.StringIO())
+            for piece in ("port: 8443\r", "\nhost: a\r\n", "done\r", "\x1b[2J"):
+                out.emit(piece)
+        shown = b""
+        while select.select([master], [], [], 0.5)[0]:
+            shown += os.read(master, 1024)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert shown == b"port: 8443\r\nhost: a\r\ndone\\r\\x1b[2J"  # the terminal's own \r before each \n (onlcr)
+
+
 # ---------------------------------------------------------------- approval costs no time
 LONG_NOTES = "".join(f"Line {i}: bread needs flour, water, salt and time.\n" for i in range(40))
 

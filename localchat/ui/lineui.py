@@ -119,6 +119,7 @@ class _Output:
         self.stdout, self.stderr = stdout, stderr
         self.thought_open = False  # thoughts were written to stderr and their line is not ended yet
         self.on_terminal = _is_terminal(stdout)
+        self.held_return = ""  # a piece's last "\r", its "\n" perhaps the next piece's first (a Windows line end)
 
     def end_thoughts(self) -> None:
         if self.thought_open:
@@ -127,7 +128,12 @@ class _Output:
 
     def emit(self, text: str) -> None:
         self.end_thoughts()
-        self.stdout.write(printable(text) if self.on_terminal else text)
+        if self.on_terminal:
+            text, self.held_return = self.held_return + text, ""
+            if text.endswith("\r"):
+                text, self.held_return = text[:-1], "\r"
+            text = printable(text)
+        self.stdout.write(text)
         self.stdout.flush()
         TRACE.stamp("first_text")
 
