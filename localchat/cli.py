@@ -29,10 +29,10 @@ def _command_like(word: str) -> str:
 
 
 def chat_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="localchat", description="Chat with a local GGUF model; the KV cache "
-                                "lives across turns and across runs.",
-                                epilog="subcommands: localchat {models,plan,doctor,profiles,sessions,search,serve,"
-                                       "cache,mcp,completions,bench} --help")
+    p = Parser(prog="localchat", description="Chat with a local GGUF model; the KV cache lives across turns and "
+                                             "across runs.",
+               epilog="subcommands: localchat {models,plan,doctor,profiles,sessions,search,serve,cache,mcp,"
+                      "completions,bench} --help")
     p.add_argument("--version", action="version", version=f"localchat {__version__}")
     profile_args(p)
     setting_args(p, chat=True)

@@ -332,8 +332,8 @@ def cmd_search(argv: Sequence[str]) -> int:
 
 # ---------------------------------------------------------------- the prefix store
 def cache_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="localchat cache", description="the prefix store: the saved KV of system "
-                                "prompts and attached documents that new chats start from")
+    p = Parser(prog="localchat cache", description="the prefix store: the saved KV of system prompts and attached "
+                                                   "documents that new chats start from")
     p.add_argument("action", nargs="?", default="list", choices=("list", "rm", "clear"))
     p.add_argument("key", nargs="*", help="rm: keys (or their first characters) as 'cache list' shows them")
     p.add_argument("--json", action="store_true")
@@ -430,9 +430,9 @@ def cmd_bench(argv: Sequence[str]) -> int:
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="localchat serve", description="Serve the profile's model to other programs "
-                                "through OpenAI's and Anthropic's APIs; each conversation's KV is kept, across "
-                                "requests and restarts, as a session.")
+    p = Parser(prog="localchat serve", description="Serve the profile's model to other programs through OpenAI's "
+                                                   "and Anthropic's APIs; each conversation's KV is kept, across "
+                                                   "requests and restarts, as a session.")
     profile_args(p)
     setting_args(p, chat=True)  # the sampling a request leaves to the server
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only; another "
@@ -526,9 +526,9 @@ def cmd_doctor(argv: Sequence[str]) -> int:
 
 
 def completions_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="localchat completions", description="a script that completes localchat's "
-                                "command line: eval \"$(localchat completions bash)\", or install it where the "
-                                "shell looks for completions")
+    p = Parser(prog="localchat completions", description="a script that completes localchat's command line: eval "
+                                                         "\"$(localchat completions bash)\", or install it where the "
+                                                         "shell looks for completions")
     p.add_argument("shell", choices=completion.SHELLS)
     return p
 
