@@ -13,7 +13,9 @@ import pytest
 
 from tests.conftest import run_cli
 
-CHAT = ["--temperature", "0", "--max-tokens", "24"]
+# drafts off: `auto` drafts where this moment's step costs say they pay, and a draft's batch can tip a greedy token
+# of the 135M model (a summary once ran past its bound under the full suite's load: nothing folded)
+CHAT = ["--temperature", "0", "--max-tokens", "24", "--speculate", "off"]
 QUESTIONS = [f"Tell me about the number {i} and why it matters to sailors on long voyages." for i in range(1, 61)]
 
 
