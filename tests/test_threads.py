@@ -126,3 +126,52 @@ def test_the_load_is_read_in_idle_time_and_a_turn_right_after_reads_nothing(home
         ctl.close()
     finally:
         rt.close()
+
+
+ENGINE_THREAD_SLEEPS = r'''
+import json, os, sys, threading
+from localchat.engine import Engine, EngineConfig
+from localchat.host.scheduler import Scheduler
+
+
+class NoIdleWork:
+    def idle_step(self): return False
+    def due_in(self): return None
+    def set_typed(self, text): pass
+
+
+def sleeps():
+    with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+
+def one_token_steps(engine):
+    prompt, before = list(range(100, 133)), sleeps()
+    engine.clear()
+    for n in range(1, len(prompt) + 1):
+        engine.prefill(prompt[:n])
+    return (sleeps() - before) / len(prompt)
+
+
+cpus = len(os.sched_getaffinity(0))
+engine = Engine(EngineConfig(sys.argv[1], n_ctx=512, n_threads=cpus, n_threads_batch=cpus))
+engine.check_finite()  # on this thread, as a chat's opening does
+here = one_token_steps(engine)
+scheduler = Scheduler(NoIdleWork())
+there = scheduler.call(lambda: one_token_steps(engine)).result()
+scheduler.close()
+print(json.dumps({"main": here, "engine_thread": there}))
+'''
+
+
+def test_the_engines_thread_computes_without_sleeping_at_every_barrier(demo_path):
+    """On the real demo model, every CPU a thread: the opening computes on the main thread, then the terminal UI's
+    engine thread decodes. llama.cpp's OpenMP threads kept for the main thread made libgomp count more threads than
+    CPUs, and then every barrier of every step slept in the kernel (about 240 sleeps a token for the 1.5B, its decode
+    0.79x line mode's); the main thread's team is let go as the engine changes hands."""
+    out = subprocess.run([sys.executable, "-c", ENGINE_THREAD_SLEEPS, str(demo_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    sleeps = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sleeps["main"] < 5
+    assert sleeps["engine_thread"] < 5, sleeps

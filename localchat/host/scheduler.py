@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from localchat.engine.backend import release_compute_threads
+
 
 class IdleWork(Protocol):
     """What the engine's thread does between requests (a terminal's session, a server's conversations)."""
@@ -36,6 +38,8 @@ class Scheduler:
         self._stop = False
         self._idle_error: Exception | None = None  # raised by idle work; handed to the next request
         self._quiet = threading.Event()  # set while there is nothing to do
+        # the engine's compute moves to the new thread: the threads llama.cpp ran on for this one are let go
+        release_compute_threads()
         self._thread = threading.Thread(target=self._loop, name="localchat-engine", daemon=True)
         self._thread.start()
 
