@@ -171,6 +171,23 @@ def test_sessions_command_lists_shows_verifies_exports_and_removes(home):
     assert not (home / "sessions" / "one").exists()
 
 
+def test_a_listing_counts_turns_from_the_meta_until_the_transcript_changes(home, monkeypatch):
+    """On the real demo model: a listing of many sessions reads each one's meta.json, not its transcript, where the
+    transcript is as the last save left it; a message written after that save (a kill before the next) is counted."""
+    from localchat.session import listing
+    from localchat.session.sessiondir import SessionDir
+    assert chat(home, "one", ["Hello there", "And again"]).returncode == 0
+    store = SessionDir("one")
+    with monkeypatch.context() as m:
+        m.setattr(SessionDir, "conversation", lambda self: pytest.fail("the transcript was read"))
+        row = listing.session_row(store)
+    assert (row["turns"], row["tokens"]) == (2, store.read_meta()["tokens"])
+    asked = next(line for line in store.transcript.read_text().splitlines() if '"role": "user"' in line)
+    with store.transcript.open("a") as f:  # the next message, its turn not saved yet
+        f.write(asked + "\n")
+    assert listing.session_row(store)["turns"] == 3
+
+
 def test_disk_budget_prunes_least_recently_used_kv_never_transcripts(home, tmp_path):
     prof = tmp_path / "small.yaml"
     prof.write_text("extends: cpu\nmax_kv_disk_gb: 0.004\n")  # ~4 MB: room for about one state

@@ -23,7 +23,7 @@ from localchat.session.fingerprint import ModelHasher
 from localchat.session.kvdisk import GIB, SPACED_S, KVDisk, SavedWith
 from localchat.session.memory import Indexer
 from localchat.session.prefixcache import PrefixCache
-from localchat.session.sessiondir import SessionDir, list_sessions
+from localchat.session.sessiondir import TRANSCRIPT_MARK, SessionDir, list_sessions
 from localchat.trace import TRACE
 
 Report = Callable[[str], None]
@@ -348,10 +348,12 @@ class Session:
         self._last_save, self._dirty = time.monotonic(), False
         self._saved_relayouts = self.chat.ahead.relayouts
         store, kv, turns = self.store, self.kv, self.chat.conv.turns
+        mark = store.transcript_mark()  # the turns' events are all in it
 
         def job() -> None:
             header = kv.write_session(store.state, payload, tokens, whole)
-            store.write_meta(kv.meta(store.name, time.time(), turns, header, store.read_meta()))
+            meta = kv.meta(store.name, time.time(), turns, header, store.read_meta())
+            store.write_meta({**meta, TRANSCRIPT_MARK: mark})
             kv.keep_measured_speeds()
             kv.prune(keep=store.state)
 

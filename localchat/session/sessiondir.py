@@ -26,6 +26,7 @@ from localchat.fsutil import PRIVATE_FILE, atomic_write
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 TRANSCRIPT, STATE, META, LOCK = "transcript.jsonl", "kv.state", "meta.json", "lock"
+TRANSCRIPT_MARK = "transcript_mark"  # meta.json's key: the transcript's transcript_mark() when it was written
 ORIGIN = "origin.json"  # a fork's: the session it was made from and the turn it branched at
 
 
@@ -107,6 +108,15 @@ class SessionDir:
 
     def conversation(self) -> Conversation:
         return self._transcript.conversation()
+
+    def transcript_mark(self) -> list[int]:
+        """[size, mtime in ns] of the transcript ([] where there is none): meta.json keeps the mark it was written at,
+        so a listing takes its turns from there where the transcript has not changed since."""
+        try:
+            st = self.transcript.stat()
+        except OSError:
+            return []
+        return [st.st_size, st.st_mtime_ns]
 
     # ------------------------------------------------------------ metadata
     def read_meta(self) -> dict[str, Any]:
