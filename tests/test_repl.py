@@ -622,6 +622,15 @@ def test_a_line_of_plain_words_renders_as_markdown_renders_it():
         assert markdown(text, 80) != [("", text)]
 
 
+def test_a_replys_line_ends_stay_line_ends_where_markdown_would_join_them():
+    """A poem, an address or steps one a line, as small models write them (without Markdown's two trailing spaces):
+    each line on a line of its own, as chat interfaces show them; Markdown's blocks still render."""
+    reply = "Rivers flow through valleys,\nTheir waters carry life.\n\n- **one**\n- two\n\n```\nx = 1\n```"
+    lines = [line.strip() for line in "".join(piece for _, piece, *_ in markdown(reply, 80)).splitlines()]
+    assert lines[:2] == ["Rivers flow through valleys,", "Their waters carry life."]
+    assert "• one" in lines and "• two" in lines and "x = 1" in lines and not any("**" in x or "```" in x for x in lines)
+
+
 def test_reports_go_to_the_ui_while_it_runs_progress_to_its_status_bar(ui, capsys):
     from localchat.ui.reports import Reports
     reports = Reports()

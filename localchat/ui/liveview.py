@@ -67,6 +67,18 @@ def plain(words: str, width: int) -> bool:
     return len(words) < width and not _MARKUP.search(words)
 
 
+class _Lines(Markdown):
+    """Markdown whose line ends inside a paragraph stay line ends, as chat interfaces show a reply: a model writes a
+    poem, an address or steps one a line without Markdown's two trailing spaces (CommonMark would join them)."""
+
+    def __init__(self, markup: str, **options: Any):
+        super().__init__(markup, **options)
+        for token in self.parsed:
+            for child in token.children or ():
+                if child.type == "softbreak":
+                    child.type = "hardbreak"
+
+
 def markdown(text: str, width: int | None = None) -> StyleAndTextTuples:
     """`text` rendered as Markdown for the terminal (rich), as prompt_toolkit fragments. What would steer the
     terminal is shown as escapes first: rich keeps ESC, and prompt_toolkit's ANSI writes a sequence between \\x01
@@ -78,7 +90,7 @@ def markdown(text: str, width: int | None = None) -> StyleAndTextTuples:
         return [("", words)]
     out = io.StringIO()
     Console(file=out, force_terminal=True, color_system="256", width=width,
-            legacy_windows=False).print(Markdown(text, code_theme="monokai"), end="")
+            legacy_windows=False).print(_Lines(text, code_theme="monokai"), end="")
     return to_formatted_text(ANSI(out.getvalue().rstrip("\n")))
 
 
