@@ -134,6 +134,7 @@ def test_help_stats_cache_profile_sessions_system(ui, monkeypatch):
     assert "largest n_ctx that fits" in ui.command("/profile")
     listed = ui.command("/sessions").splitlines()  # as `localchat sessions` lists them, this chat's starred
     assert [x.split()[:4] for x in listed if x.startswith("* ")] == [["*", "ui", "1", "turns"]], listed
+    assert all(len(x) < 70 for x in listed) and listed[0].endswith("…")  # cut to the terminal's width, not wrapped
     assert "system prompt set" in ui.command("/system Answer in French.")
     st = ui.say("Bonjour")
     assert st["miss_cause"] == "system prompt changed"

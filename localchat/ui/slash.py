@@ -96,7 +96,9 @@ def _model(ctx: CommandContext, arg: str) -> str:
 def _sessions(ctx: CommandContext, arg: str) -> str:
     """As `localchat sessions` lists them, this chat's starred."""
     store = ctx.host.session.store
-    return "\n".join(listing.tree_lines(listing.session_rows(), store.name if store else "")) or "no sessions yet"
+    width = shutil.get_terminal_size().columns - 1  # a line as wide as the terminal would wrap its last character
+    lines = listing.tree_lines(listing.session_rows(), store.name if store else "")
+    return "\n".join(line if len(line) <= width else line[:width - 1] + "…" for line in lines) or "no sessions yet"
 
 
 def _system(ctx: CommandContext, arg: str) -> str:
