@@ -85,8 +85,7 @@ def _openmp() -> ctypes.CDLL | None:
     """The GNU OpenMP runtime llama.cpp's CPU backend runs its threads on, where it is loaded (Linux builds)."""
     try:
         with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
-            paths = sorted({line.split(None, 5)[5].strip() for line in maps
-                            if "libgomp" in line and len(line.split(None, 5)) == 6})
+            paths = sorted({line.split(None, 5)[-1].strip() for line in maps if "libgomp" in line})  # its path field
     except OSError:
         return None
     for path in paths:
