@@ -11,7 +11,7 @@ from localchat import runtime
 from localchat.errors import ProfileError
 from localchat.host import opening
 from localchat.host.host import Host
-from localchat.session import remake
+from localchat.session import remake, runoptions
 from localchat.session.lifecycle import SessionChoice
 from localchat.settings import Profile
 from localchat.tools.mcp import Hub
@@ -23,14 +23,38 @@ _report = Reports()  # diagnostics: stderr, or above the terminal UI while it ru
 
 
 def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    profile = runtime.load_profile(args.profile, overrides)
-    opening.check_tools(profile, tuple(overrides.get("allow_tools") or ()))
+    message = _message(args)
+    choice, kept = _session_choice(args, overrides, one_shot=bool(message))
+    run = choice.options or runoptions.RunOptions()
+    allowed = overrides.get("allow_tools")
+    try:
+        profile = runtime.load_profile(run.profile, {**run.given, "allow_tools": allowed})
+    except ProfileError as exc:
+        if not kept:
+            raise
+        raise ProfileError(f"{exc} (session '{choice.name}' last ran with {kept}: give another option now)") from None
+    opening.check_tools(profile, tuple(allowed or ()))
     hub = opening.start_servers(profile)
     try:
-        return _chat(args, profile, hub)
+        return _chat(args, message, choice, profile, hub)
     finally:
         if hub is not None:
             hub.close()  # every server and its children, whatever ended the chat
+
+
+def _session_choice(args: argparse.Namespace, overrides: dict[str, Any], one_shot: bool) -> tuple[SessionChoice, str]:
+    """Which session the chat opens and the options it runs with: those given now and, for the rest, those the
+    session it resumes last ran with (said in a line); (the choice, those options taken from the session)."""
+    keep = not args.no_session
+    store = runoptions.resumed(args.session, args.resume_last) if keep else None
+    run, taken = runoptions.merged(runoptions.read(store.read_meta()) if store else None,
+                                   runoptions.of_run(args.profile, overrides))
+    kept = runoptions.flags(taken)
+    if store is not None and kept and not (one_shot and not args.verbose):
+        _report(f"localchat: session '{store.name}' goes on with the options it last ran with: {kept} (an option "
+                "given now wins)")
+    name = store.name if store is not None else args.session
+    return SessionChoice(name, args.resume_last and store is None, keep, one_shot, options=run), kept
 
 
 def _message(args: argparse.Namespace) -> str:
@@ -43,16 +67,15 @@ def _message(args: argparse.Namespace) -> str:
     return message
 
 
-def _chat(args: argparse.Namespace, profile: Profile, hub: Hub | None) -> int:
-    message = _message(args)
+def _chat(args: argparse.Namespace, message: str, choice: SessionChoice, profile: Profile, hub: Hub | None) -> int:
     interactive = not message and sys.stdin.isatty() and sys.stdout.isatty()
     offered = (profile.tools or hub is not None) and profile.tool_choice != "none"
     asking = approval.Asking() if interactive and offered else None
-    choice = SessionChoice(args.session, args.resume_last, keep=not args.no_session, one_shot=bool(message))
+    explicit_ctx = choice.options is not None and "n_ctx" in choice.options.given  # given now or kept by the session
     how = opening.Opening(
         choice, _report, asking.approve if asking is not None else approval.pre_approved_only(_report),
         asking.go_on if asking is not None else None, asking is not None, interactive, args.verbose,
-        quiet=bool(message) and not args.verbose, explicit_ctx=args.n_ctx is not None, attach=tuple(args.attach or ()),
+        quiet=bool(message) and not args.verbose, explicit_ctx=explicit_ctx, attach=tuple(args.attach or ()),
         stdin=sys.stdin.buffer if message and not sys.stdin.isatty() else None, stats_path=args.stats_json or "")
     host = opening.open_host(profile, hub, how)
     first = host.session.rt
@@ -66,7 +89,8 @@ def _chat(args: argparse.Namespace, profile: Profile, hub: Hub | None) -> int:
             host.session.rt.close()
             if host.session.rt is not first:  # /model loaded another (the first one is closed already)
                 first.close()
-            remake.start_in_background(args.profile or profile.name)  # states an upgrade left, made again
+            named = choice.options.profile if choice.options is not None else None
+            remake.start_in_background(named or profile.name)  # states an upgrade left, made again
 
 
 def _run_ui(host: Host, args: argparse.Namespace, message: str, interactive: bool,

@@ -104,6 +104,47 @@ def test_state_of_another_kv_type_is_refused(home):
     assert "saved KV not used: the state was saved with type_k=f16, this run uses type_k=q8_0" in r.stderr
 
 
+def test_c_goes_on_with_the_options_the_session_ran_with_and_an_option_given_now_wins(home, tmp_path):
+    """`localchat -c` alone resumes a chat started with `--kv-type q8_0` as it ran: its q8_0 KV restored, not refused
+    as another KV type and rebuilt; `--kv-type f16` now wins over the kept one, the others still taken."""
+    env = {"LOCALCHAT_HOME": str(home)}
+    first = chat(home, "opts", ["Hello there"], "--kv-type", "q8_0", "--history", "as-sampled")
+    assert first.returncode == 0, first.stderr
+    kept = json.loads((home / "sessions" / "opts" / "meta.json").read_text())["options"]
+    assert kept["given"]["type_k"] == "q8_0" and kept["given"]["history"] == "as-sampled"
+    stats = tmp_path / "c.jsonl"
+    r = run_cli(["-c", "--stats-json", str(stats)], stdin="Tell me a fact\n", env=env)
+    assert r.returncode == 0, r.stderr
+    said = next(line for line in r.stderr.splitlines() if "goes on with the options it last ran with" in line)
+    assert "--kv-type q8_0" in said and "--history as-sampled" in said and "--model demo" in said
+    (st,) = stats_of(stats)
+    assert st["kv_restored"] is True and st["turn"] == 2 and st["cached_tokens"] > 60
+    assert st["recomputed_tokens"] <= st["new_tokens"] + 1  # the saved q8_0 KV taken up, nothing rebuilt
+    row = json.loads(run_cli(["sessions", "list", "--json"], env=env).stdout)[0]
+    assert "--kv-type q8_0" in row["options"]
+    r = run_cli(["-c", "--kv-type", "f16"], stdin="Thanks\n", env=env)
+    assert r.returncode == 0, r.stderr
+    said = next(line for line in r.stderr.splitlines() if "goes on with the options it last ran with" in line)
+    assert "--kv-type" not in said and "--history as-sampled" in said
+    assert "saved KV not used: the state was saved with type_k=q8_0, this run uses type_k=f16" in r.stderr
+    assert json.loads((home / "sessions" / "opts" / "meta.json").read_text())["options"]["given"]["type_k"] == "f16"
+
+
+def test_options_kept_in_a_damaged_meta_are_left_out_one_by_one():
+    from localchat.session import runoptions
+    meta = {"options": {"profile": 7, "given": {"n_ctx": "huge", "allow_tools": ["run_command"], "bogus": 1,
+                                                "temperature": 0.5, "tools": True, "mcp": ["files"]}}}
+    kept = runoptions.read(meta)
+    assert kept == runoptions.RunOptions(None, {"temperature": 0.5, "tools": True, "mcp": ("files",)})
+    assert runoptions.flags(kept) == "--temperature 0.5 --tools --mcp files"
+    assert runoptions.read({"options": "x"}) is None and runoptions.read({}) is None
+    now = runoptions.of_run("rtx3060", {"tools": False, "allow_tools": ("read_file",), "top_k": None})
+    assert now.given == {"tools": False}  # an approval in advance is given each run, never kept
+    run, taken = runoptions.merged(kept, now)
+    assert run == runoptions.RunOptions("rtx3060", {"temperature": 0.5, "mcp": ("files",), "tools": False})
+    assert runoptions.flags(taken) == "--temperature 0.5 --mcp files"
+
+
 def test_state_swapped_between_sessions_is_refused(home):
     assert chat(home, "a", ["Hello there"]).returncode == 0
     assert chat(home, "b", ["Something else entirely"]).returncode == 0

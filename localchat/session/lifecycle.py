@@ -23,6 +23,7 @@ from localchat.session.fingerprint import ModelHasher
 from localchat.session.kvdisk import GIB, SPACED_S, KVDisk, SavedWith
 from localchat.session.memory import Indexer
 from localchat.session.prefixcache import PrefixCache
+from localchat.session.runoptions import OPTIONS, RunOptions
 from localchat.session.sessiondir import TRANSCRIPT_MARK, SessionDir, list_sessions
 from localchat.trace import TRACE
 
@@ -46,6 +47,7 @@ class SessionChoice:
     last: bool = False
     keep: bool = True
     one_shot: bool = False
+    options: RunOptions | None = None  # what the session's meta.json keeps for a resume that gives none
 
 
 class Session:
@@ -74,6 +76,7 @@ class Session:
         self.ended = ""  # why the chat cannot go on (its model could not be loaded again): nothing runs
         self.after_last_turn = False
         self._budget_told = False  # the day's KV write budget was reached: said once
+        self.options: RunOptions | None = None  # the chat's options, kept with each save (None: the last kept)
 
     def bind(self, rt: Runtime, prefix_store: bool, changed: bool = False) -> None:
         """The runtime (model, engine, chat) this session's turns and saves go to: the one it opened with,
@@ -114,6 +117,7 @@ class Session:
         if store.read_only:
             report(f"localchat: session '{store.name}' is on a read-only file system; the chat goes on unsaved")
         ctl = cls(rt, store, report, autosave=rt.profile.autosave, background=background)
+        ctl.options = choice.options
         if store.transcript.exists():
             ctl.resume()
         else:
@@ -347,13 +351,15 @@ class Session:
         payload, tokens, took = self.kv.copy_out()
         self._last_save, self._dirty = time.monotonic(), False
         self._saved_relayouts = self.chat.ahead.relayouts
-        store, kv, turns = self.store, self.kv, self.chat.conv.turns
+        store, kv, turns, options = self.store, self.kv, self.chat.conv.turns, self.options
         mark = store.transcript_mark()  # the turns' events are all in it
 
         def job() -> None:
             header = kv.write_session(store.state, payload, tokens, whole)
-            meta = kv.meta(store.name, time.time(), turns, header, store.read_meta())
-            store.write_meta({**meta, TRANSCRIPT_MARK: mark})
+            before = store.read_meta()
+            kept = options.to_json() if options is not None else before.get(OPTIONS)
+            meta = kv.meta(store.name, time.time(), turns, header, before)
+            store.write_meta({**meta, TRANSCRIPT_MARK: mark, **({OPTIONS: kept} if kept else {})})
             kv.keep_measured_speeds()
             kv.prune(keep=store.state)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from localchat.session import writes
+from localchat.session import runoptions, writes
 from localchat.session.sessiondir import TRANSCRIPT_MARK, SessionDir, list_sessions
 
 
@@ -19,9 +19,15 @@ def session_row(s: SessionDir) -> dict[str, Any]:
     return {"name": s.name, "turns": turns, "tokens": tokens,
             "model": m.get("model", {}).get("name"), "size": s.size_on_disk(),
             "state_size": s.state.stat().st_size if s.state.exists() else 0, "last_used": m.get("updated"),
-            "profile": m.get("profile"), "origin": s.read_origin() or None,
+            "profile": m.get("profile"), "origin": s.read_origin() or None, "options": _options(m),
             "kv_written_today": written.get("today", 0) if written.get("day") == writes.today() else 0,
             "kv_written_total": written.get("total", 0)}
+
+
+def _options(meta: dict[str, Any]) -> str | None:
+    """The options the session last ran with, as a command line gives them (a resume that gives none takes them)."""
+    kept = runoptions.read(meta)
+    return runoptions.flags(kept) if kept is not None else None
 
 
 def _counts(s: SessionDir, meta: dict[str, Any]) -> tuple[int, int]:

@@ -1,0 +1,90 @@
+"""The options a chat ran with, kept in its session's meta.json, so that a resume that gives none (`localchat -c`)
+goes on as the chat was: the same profile, tools, model and KV settings, and so the KV saved with them is the one
+restored (a resume without `--tools` changed the prompt: the tool list's tokens and all after them recomputed,
+and the chat went on without tools). An option given now wins. Approvals in advance (`--allow-tool`) are never
+kept: each run gives its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from localchat.session.sessiondir import SessionDir, list_sessions
+from localchat.settings import SETTING_KEYS, accepted_types, rule
+
+OPTIONS = "options"  # meta.json's key
+NOT_KEPT = frozenset({"allow_tools"})
+_FLAGS = {"type_k": "--kv-type", "type_v": "--kv-type", "n_threads_batch": "--threads"}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """A chat's options from its command line: the profile as given (a name or a YAML path; None: the default)
+    and the settings given, by key."""
+
+    profile: str | None = None
+    given: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"profile": self.profile,
+                "given": {k: list(v) if isinstance(v, tuple) else v for k, v in self.given.items()}}
+
+
+def of_run(profile: str | None, overrides: dict[str, Any]) -> RunOptions:
+    """The options a run keeps: the settings given on its command line, approvals in advance left out."""
+    return RunOptions(profile, {k: v for k, v in overrides.items() if v is not None and k not in NOT_KEPT})
+
+
+def read(meta: dict[str, Any]) -> RunOptions | None:
+    """The options a session's meta.json kept (None where it kept none); a key or value this version would
+    refuse is left out (the file is input like any other)."""
+    raw = meta.get(OPTIONS)
+    if not isinstance(raw, dict) or not isinstance(raw.get("given", {}), dict):
+        return None
+    profile = raw.get("profile") if isinstance(raw.get("profile"), str) and raw.get("profile") else None
+    given: dict[str, Any] = {}
+    for key, value in raw.get("given", {}).items():
+        value = tuple(value) if isinstance(value, list) else value
+        if key in SETTING_KEYS and key not in NOT_KEPT and isinstance(value, accepted_types(key)) and \
+                _valid(key, value):
+            given[key] = value
+    return RunOptions(profile, given)
+
+
+def _valid(key: str, value: Any) -> bool:
+    try:
+        return bool(rule(key).check(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def resumed(name: str | None, last: bool) -> SessionDir | None:
+    """The saved session a chat's choice resumes: the one named, else with `last` the most recent; None for a
+    new one."""
+    if name is not None:
+        store = SessionDir(name)
+        return store if store.transcript.exists() else None
+    recent = list_sessions() if last else []
+    return recent[0] if recent else None
+
+
+def merged(kept: RunOptions | None, now: RunOptions) -> tuple[RunOptions, RunOptions]:
+    """(the options this run goes with: those given now, and for the rest the session's; those of the session's
+    taken, as `now` lacked them)."""
+    if kept is None:
+        return now, RunOptions()
+    taken = RunOptions(kept.profile if now.profile is None else None,
+                       {k: v for k, v in kept.given.items() if k not in now.given})
+    return RunOptions(now.profile or kept.profile, {**taken.given, **now.given}), taken
+
+
+def flags(options: RunOptions) -> str:
+    """The options as a command line gives them: "--profile rtx3060 --tools --kv-type q8_0"."""
+    words = [f"--profile {options.profile}"] if options.profile else []
+    for key, value in options.given.items():
+        flag = rule(key).flag or _FLAGS.get(key) or "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if flag.startswith("--no-") or value else "--no-" + flag[2:])
+        else:
+            words.append(f"{flag} {','.join(map(str, value)) if isinstance(value, tuple) else value}")
+    return " ".join(dict.fromkeys(words))  # --kv-type and --threads stand for two settings each
