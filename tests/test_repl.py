@@ -211,6 +211,7 @@ def test_ctrl_d_exits_after_the_autosave_completes(home, demo_path):
     h.say("Hello there")
     h.close()
     assert not h.thread.is_alive()
+    assert h.printed[-1] == "saving... (to go on: localchat --session bye, or -c while it is the latest)"
     meta = json.loads((home / "sessions" / "bye" / "meta.json").read_text())
     assert meta["turns"] == 1
     assert (home / "sessions" / "bye" / "kv.state").stat().st_size > 0

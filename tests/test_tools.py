@@ -5,6 +5,7 @@ takes tools, the calls forced through the reply tokens as the reasoning tests fo
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -133,6 +134,29 @@ def test_an_edit_is_shown_as_a_diff_and_written_whole(tmp_path):
     assert twice.status == "error" and "must occur once" in twice.text
     # the user's line gives the reason whole and ends there (the file follows in the model's copy only)
     assert call_line("edit_file", {"path": "notes.txt"}, twice).endswith("times in the file; it must occur once.]")
+
+
+def test_a_write_or_an_edit_that_changes_nothing_is_not_asked_about_and_writes_nothing(tmp_path):
+    """The 1.5B, asked what notes.md holds, read it and then called write_file with the same text, its last line end
+    dropped; the user was asked to approve that, denied it, and got "I can't assist". Such a call now answers that
+    nothing changes, unasked, and the file stays as it was (its mtime too)."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text(NOTES)
+    os.utime(notes, (1_000_000, 1_000_000))
+    box = Toolbox(Root(tmp_path), approve=lambda r: pytest.fail(f"asked about {r.tool}"))
+    same = box.run("write_file", {"path": "notes.txt", "content": NOTES.rstrip("\n")})
+    assert same.status == "ok" and same.text == "notes.txt already holds this content: nothing was written"
+    edit = box.run("edit_file", {"path": "notes.txt", "old": "salt", "new": "salt"})
+    assert edit.status == "ok" and "unchanged" in edit.text
+    assert notes.read_text() == NOTES and notes.stat().st_mtime == 1_000_000
+    asked = []
+    box = Toolbox(Root(tmp_path), approve=lambda r: (asked.append(r.tool), Decision("deny"))[1])
+    assert box.run("write_file", {"path": "notes.txt", "content": NOTES + "More.\n"}).status == "denied"
+    assert box.run("write_file", {"path": "new.txt", "content": ""}).status == "denied"  # a new file is a change
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.txt"
+    outside.write_text("x")  # not read to compare: a path outside is asked about first, whatever the call
+    assert box.run("write_file", {"path": str(outside), "content": "x"}).status == "denied"
+    assert asked == ["write_file"] * 3
 
 
 def test_commands_are_approved_per_exact_command_and_stopped_at_their_bounds(tmp_path):

@@ -160,7 +160,10 @@ class Toolbox:
         if problem:
             return Result(f"{name}: the arguments do not fit the tool's schema: {problem}", "error")
         try:
-            decision = self.decide(self._request(name, arguments))
+            request = self._request(name, arguments)
+            if not request.outside and (same := self._unchanged(name, arguments)):
+                return Result(same, "ok")  # nothing would change: nothing to ask the user about
+            decision = self.decide(request)
         except ToolError as exc:
             return Result(f"{name}: {exc}", "error")
         except OSError as exc:
@@ -198,6 +201,17 @@ class Toolbox:
         outside = str(place.path) if place is not None and not place.inside else ""
         shown = tool.shown(self, a) if tool.shown is not None else _arguments(a) or "(the whole working directory)"
         return Request(name, a, shown, not tool.read_only, outside, may_always=not tool.per_call and not outside)
+
+    def _unchanged(self, name: str, a: dict[str, Any]) -> str:
+        """The result of a write or an edit that would leave the file as it is ("" for any other call). A small
+        model rewrites a file it has just read, its last line end dropped, when asked what the file holds."""
+        if name == "edit_file" and a["old"] == a["new"]:
+            return f"{a['path']} unchanged: the text to replace and its replacement are the same"
+        if name == "write_file":
+            p = self.root.place(a["path"]).path
+            if p.is_file() and _current(p).rstrip() == a["content"].rstrip():
+                return f"{a['path']} already holds this content: nothing was written"
+        return ""
 
     @staticmethod
     def _edited(path: Path, old: str, new: str) -> tuple[str, str]:

@@ -343,8 +343,9 @@ class Repl:
                 self.print(f"localchat: {exc}", "class:cut")
             pending, self.refill = self.refill or typeahead.text, ""
         self.scheduler.close()
-        if not self.ending:
-            self.print("saving...", "class:info")
+        if not self.ending and self.ctl.store is not None:  # with --no-session nothing is kept
+            self.print(f"saving... (to go on: localchat --session {self.ctl.store.name}, or -c while it is the "
+                       "latest)", "class:info")
 
     async def _command(self, line: str, typeahead: Buffer) -> str:
         cmd = slash.lookup(line)
