@@ -130,7 +130,7 @@ def test_c_goes_on_with_the_options_the_session_ran_with_and_an_option_given_now
     assert json.loads((home / "sessions" / "opts" / "meta.json").read_text())["options"]["given"]["type_k"] == "f16"
 
 
-def test_options_kept_in_a_damaged_meta_are_left_out_one_by_one():
+def test_options_are_kept_with_whole_paths_and_a_damaged_one_is_left_out(tmp_path, monkeypatch):
     from localchat.session import runoptions
     meta = {"options": {"profile": 7, "given": {"n_ctx": "huge", "allow_tools": ["run_command"], "bogus": 1,
                                                 "temperature": 0.5, "tools": True, "mcp": ["files"]}}}
@@ -140,6 +140,12 @@ def test_options_kept_in_a_damaged_meta_are_left_out_one_by_one():
     assert runoptions.read({"options": "x"}) is None and runoptions.read({}) is None
     now = runoptions.of_run("rtx3060", {"tools": False, "allow_tools": ("read_file",), "top_k": None})
     assert now.given == {"tools": False}  # an approval in advance is given each run, never kept
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    (tmp_path / "mine.yaml").write_text("extends: cpu\n")
+    monkeypatch.chdir(tmp_path)  # a path as given here is kept whole: a resume may start in another folder
+    here = runoptions.of_run("mine.yaml", {"model": "m.gguf", "draft_model": "demo", "mmproj": "off"})
+    assert here == runoptions.RunOptions(str(tmp_path / "mine.yaml"), {"model": str(tmp_path / "m.gguf"),
+                                                                       "draft_model": "demo", "mmproj": "off"})
     run, taken = runoptions.merged(kept, now)
     assert run == runoptions.RunOptions("rtx3060", {"temperature": 0.5, "mcp": ("files",), "tools": False})
     assert runoptions.flags(taken) == "--temperature 0.5 --mcp files"

@@ -6,6 +6,7 @@ kept: each run gives its own."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from localchat.settings import SETTING_KEYS, accepted_types, rule
 OPTIONS = "options"  # meta.json's key
 NOT_KEPT = frozenset({"allow_tools"})
 _FLAGS = {"type_k": "--kv-type", "type_v": "--kv-type", "n_threads_batch": "--threads"}
+FILES = ("model", "draft_model", "mmproj", "embedding_model")  # a name, a word (auto, off) or a file's path
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,14 @@ class RunOptions:
 
 
 def of_run(profile: str | None, overrides: dict[str, Any]) -> RunOptions:
-    """The options a run keeps: the settings given on its command line, approvals in advance left out."""
-    return RunOptions(profile, {k: v for k, v in overrides.items() if v is not None and k not in NOT_KEPT})
+    """The options a run keeps: the settings given on its command line, approvals in advance left out, a file's
+    path made absolute (a resume may start in another folder)."""
+    given = {k: _absolute(v) if k in FILES else v for k, v in overrides.items() if v is not None and k not in NOT_KEPT}
+    return RunOptions(_absolute(profile), given)
+
+
+def _absolute(value: Any) -> Any:
+    return os.path.abspath(value) if isinstance(value, str) and os.path.isfile(value) else value
 
 
 def read(meta: dict[str, Any]) -> RunOptions | None:
