@@ -5,6 +5,7 @@ resumed with another model than the one its tokens were made with is carried ove
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -108,6 +109,10 @@ def test_model_in_line_mode_lists_switches_and_the_status_names_the_model(home, 
     assert re.search(r"all-MiniLM-L6-v2\.F16 +cache +\(embeddings: for search by meaning, not a chat\)", r.stderr)
     assert "model gemma-3-270m-q4_k_m.gguf: 1 turn carried over as text" in r.stderr
     assert r.stderr.count("[turn ") == 2
+    kept = json.loads((home / "sessions" / "cli" / "meta.json").read_text())["options"]["given"]
+    assert kept["model"].endswith("gemma-3-270m-q4_k_m.gguf") and kept["mmproj"] == "auto"  # `-c` goes on with it
+    r = run_cli(["-c"], stdin="Thanks.\n")
+    assert r.returncode == 0 and "KV restored from disk" in r.stderr and "gemma-3-270m" in r.stderr, r.stderr
 
 
 def test_in_the_terminal_ui_model_switches_and_the_status_bar_names_it(home, demo_path, gemma_it):

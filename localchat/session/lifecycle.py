@@ -71,18 +71,20 @@ class Session:
                                                                        f"({exc.strerror})"))
         self.indexer: Indexer | None = None  # the search index follows the transcript (started with the first)
         self._next = NO_INPUTS  # what resume found, for the next turn to report
+        self.options: RunOptions | None = None  # the chat's options, kept with each save (None: the last kept)
         self.bind(rt, prefix_store or store is not None)
         self.restore_note = ""
         self.ended = ""  # why the chat cannot go on (its model could not be loaded again): nothing runs
         self.after_last_turn = False
         self._budget_told = False  # the day's KV write budget was reached: said once
-        self.options: RunOptions | None = None  # the chat's options, kept with each save (None: the last kept)
 
     def bind(self, rt: Runtime, prefix_store: bool, changed: bool = False) -> None:
         """The runtime (model, engine, chat) this session's turns and saves go to: the one it opened with,
         or the next model of /model (`changed`: its KV is not on disk yet)."""
         self.rt, self.chat = rt, rt.chat
         self._dirty, self._saved_relayouts = changed, rt.chat.ahead.relayouts
+        if changed and self.options is not None:  # /model: a resume goes on with the model the chat went on with
+            self.options = self.options.switched(str(rt.model.path), rt.profile.mmproj)
         about = SavedWith(rt.model.path, rt.model.name, rt.profile.name, rt.kv_bytes_per_token,
                           int(rt.profile.max_kv_disk_gb * GIB), int(rt.profile.max_kv_writes_gb_per_day * GIB))
         self.kv = KVDisk(rt.engine, ModelHasher(rt.model.path, start=prefix_store), about)

@@ -27,6 +27,11 @@ class RunOptions:
     profile: str | None = None
     given: dict[str, Any] = field(default_factory=dict)
 
+    def switched(self, model: str, mmproj: str) -> RunOptions:
+        """These options after /model: the next model, its own projector (or none, as before), no draft model."""
+        given = {k: v for k, v in self.given.items() if k not in ("draft_model", "mmproj")}
+        return RunOptions(self.profile, {**given, "model": model, "mmproj": mmproj})
+
     def to_json(self) -> dict[str, Any]:
         return {"profile": self.profile,
                 "given": {k: list(v) if isinstance(v, tuple) else v for k, v in self.given.items()}}
