@@ -117,6 +117,7 @@ def test_c_goes_on_with_the_options_the_session_ran_with_and_an_option_given_now
     assert r.returncode == 0, r.stderr
     said = next(line for line in r.stderr.splitlines() if "goes on with the options it last ran with" in line)
     assert "--kv-type q8_0" in said and "--history as-sampled" in said and "--model demo" in said
+    assert f"--system ({len(SYSTEM)} characters)" in said  # kept whole, shown by its length
     (st,) = stats_of(stats)
     assert st["kv_restored"] is True and st["turn"] == 2 and st["cached_tokens"] > 60
     assert st["recomputed_tokens"] <= st["new_tokens"] + 1  # the saved q8_0 KV taken up, nothing rebuilt
@@ -137,6 +138,7 @@ def test_options_are_kept_with_whole_paths_and_a_damaged_one_is_left_out(tmp_pat
     kept = runoptions.read(meta)
     assert kept == runoptions.RunOptions(None, {"temperature": 0.5, "tools": True, "mcp": ("files",)})
     assert runoptions.flags(kept) == "--temperature 0.5 --tools --mcp files"
+    assert runoptions.flags(runoptions.RunOptions(None, {"system": "Be brief."})) == "--system 'Be brief.'"
     assert runoptions.read({"options": "x"}) is None and runoptions.read({}) is None
     now = runoptions.of_run("rtx3060", {"tools": False, "allow_tools": ("read_file",), "top_k": None})
     assert now.given == {"tools": False}  # an approval in advance is given each run, never kept

@@ -7,6 +7,7 @@ kept: each run gives its own."""
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ from localchat.settings import SETTING_KEYS, accepted_types, rule
 OPTIONS = "options"  # meta.json's key
 NOT_KEPT = frozenset({"allow_tools"})
 _FLAGS = {"type_k": "--kv-type", "type_v": "--kv-type", "n_threads_batch": "--threads"}
+LONGEST_SHOWN = 80  # a value past this many characters (a system prompt) is shown by its length
 FILES = ("model", "draft_model", "mmproj", "embedding_model")  # a name, a word (auto, off) or a file's path
 
 
@@ -98,6 +100,8 @@ def flags(options: RunOptions) -> str:
         flag = rule(key).flag or _FLAGS.get(key) or "--" + key.replace("_", "-")
         if isinstance(value, bool):
             words.append(flag if flag.startswith("--no-") or value else "--no-" + flag[2:])
-        else:
-            words.append(f"{flag} {','.join(map(str, value)) if isinstance(value, tuple) else value}")
+            continue
+        text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        shown = shlex.quote(text) if len(text) <= LONGEST_SHOWN else f"({len(text)} characters)"
+        words.append(f"{flag} {shown}")
     return " ".join(dict.fromkeys(words))  # --kv-type and --threads stand for two settings each
