@@ -111,6 +111,7 @@ def test_model_in_line_mode_lists_switches_and_the_status_names_the_model(home, 
     assert r.stderr.count("[turn ") == 2
     kept = json.loads((home / "sessions" / "cli" / "meta.json").read_text())["options"]["given"]
     assert kept["model"].endswith("gemma-3-270m-q4_k_m.gguf") and kept["mmproj"] == "auto"  # `-c` goes on with it
+    assert kept["draft_model"] == ""  # a draft is made for one vocabulary: none, as /model chose
     r = run_cli(["-c"], stdin="Thanks.\n")
     assert r.returncode == 0 and "KV restored from disk" in r.stderr and "gemma-3-270m" in r.stderr, r.stderr
 

@@ -133,7 +133,7 @@ def test_c_goes_on_with_the_options_the_session_ran_with_and_an_option_given_now
 
 def test_options_are_kept_with_whole_paths_and_a_damaged_one_is_left_out(tmp_path, monkeypatch):
     from localchat.session import runoptions
-    meta = {"options": {"profile": 7, "given": {"n_ctx": "huge", "allow_tools": ["run_command"], "bogus": 1,
+    meta = {"options": {"profile": 7, "given": {"n_ctx": "huge", "allow_tools": ["run_command"], "bogus": 1, "top_k": True,
                                                 "temperature": 0.5, "tools": True, "mcp": ["files"]}}}
     kept = runoptions.read(meta)
     assert kept == runoptions.RunOptions(None, {"temperature": 0.5, "tools": True, "mcp": ("files",)})

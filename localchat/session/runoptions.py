@@ -31,8 +31,7 @@ class RunOptions:
 
     def switched(self, model: str, mmproj: str) -> RunOptions:
         """These options after /model: the next model, its own projector (or none, as before), no draft model."""
-        given = {k: v for k, v in self.given.items() if k not in ("draft_model", "mmproj")}
-        return RunOptions(self.profile, {**given, "model": model, "mmproj": mmproj})
+        return RunOptions(self.profile, {**self.given, "model": model, "mmproj": mmproj, "draft_model": ""})
 
     def to_json(self) -> dict[str, Any]:
         return {"profile": self.profile,
@@ -60,13 +59,15 @@ def read(meta: dict[str, Any]) -> RunOptions | None:
     given: dict[str, Any] = {}
     for key, value in raw.get("given", {}).items():
         value = tuple(value) if isinstance(value, list) else value
-        if key in SETTING_KEYS and key not in NOT_KEPT and isinstance(value, accepted_types(key)) and \
-                _valid(key, value):
+        if key in SETTING_KEYS and key not in NOT_KEPT and _valid(key, value):
             given[key] = value
     return RunOptions(profile, given)
 
 
 def _valid(key: str, value: Any) -> bool:
+    types = accepted_types(key)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):  # true is no n_ctx
+        return False
     try:
         return bool(rule(key).check(value))
     except (TypeError, ValueError):
