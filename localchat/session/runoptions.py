@@ -75,13 +75,13 @@ def _valid(key: str, value: Any) -> bool:
 
 
 def resumed(name: str | None, last: bool) -> SessionDir | None:
-    """The saved session a chat's choice resumes: the one named, else with `last` the most recent; None for a
-    new one."""
-    if name is not None:
-        store = SessionDir(name)
-        return store if store.transcript.exists() else None
-    recent = list_sessions() if last else []
-    return recent[0] if recent else None
+    """The saved session a chat's choice resumes: with `last` the most recent (as `Session.open` takes it), else
+    the one named; None for a new one."""
+    if last:
+        recent = list_sessions()
+        return recent[0] if recent else None
+    store = SessionDir(name) if name is not None else None
+    return store if store is not None and store.transcript.exists() else None
 
 
 def merged(kept: RunOptions | None, now: RunOptions) -> tuple[RunOptions, RunOptions]:
