@@ -24,8 +24,7 @@ _report = Reports()  # diagnostics: stderr, or above the terminal UI while it ru
 
 def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     message = _message(args)
-    choice, kept = _session_choice(args, overrides, one_shot=bool(message))
-    run = choice.options or runoptions.RunOptions()
+    choice, run, kept = _session_choice(args, overrides, one_shot=bool(message))
     allowed = overrides.get("allow_tools")
     try:
         profile = runtime.load_profile(run.profile, {**run.given, "allow_tools": allowed})
@@ -36,15 +35,16 @@ def run_chat(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     opening.check_tools(profile, tuple(allowed or ()))
     hub = opening.start_servers(profile)
     try:
-        return _chat(args, message, choice, profile, hub)
+        return _chat(args, message, choice, run, profile, hub)
     finally:
         if hub is not None:
             hub.close()  # every server and its children, whatever ended the chat
 
 
-def _session_choice(args: argparse.Namespace, overrides: dict[str, Any], one_shot: bool) -> tuple[SessionChoice, str]:
+def _session_choice(args: argparse.Namespace, overrides: dict[str, Any],
+                    one_shot: bool) -> tuple[SessionChoice, runoptions.RunOptions, str]:
     """Which session the chat opens and the options it runs with: those given now and, for the rest, those the
-    session it resumes last ran with (said in a line); (the choice, those options taken from the session)."""
+    session it resumes last ran with (said in a line); (the choice, the options, those taken from the session)."""
     keep = not args.no_session
     store = runoptions.resumed(args.session, args.resume_last) if keep else None
     run, taken = runoptions.merged(runoptions.read(store.read_meta()) if store else None,
@@ -54,7 +54,7 @@ def _session_choice(args: argparse.Namespace, overrides: dict[str, Any], one_sho
         _report(f"localchat: session '{store.name}' goes on with the options it last ran with: {kept} (an option "
                 "given now wins)")
     name = store.name if store is not None else args.session
-    return SessionChoice(name, args.resume_last and store is None, keep, one_shot, options=run), kept
+    return SessionChoice(name, args.resume_last and store is None, keep, one_shot, options=run), run, kept
 
 
 def _message(args: argparse.Namespace) -> str:
@@ -67,11 +67,12 @@ def _message(args: argparse.Namespace) -> str:
     return message
 
 
-def _chat(args: argparse.Namespace, message: str, choice: SessionChoice, profile: Profile, hub: Hub | None) -> int:
+def _chat(args: argparse.Namespace, message: str, choice: SessionChoice, run: runoptions.RunOptions, profile: Profile,
+          hub: Hub | None) -> int:
     interactive = not message and sys.stdin.isatty() and sys.stdout.isatty()
     offered = (profile.tools or hub is not None) and profile.tool_choice != "none"
     asking = approval.Asking() if interactive and offered else None
-    explicit_ctx = choice.options is not None and "n_ctx" in choice.options.given  # given now or kept by the session
+    explicit_ctx = "n_ctx" in run.given  # given now or kept by the session
     how = opening.Opening(
         choice, _report, asking.approve if asking is not None else approval.pre_approved_only(_report),
         asking.go_on if asking is not None else None, asking is not None, interactive, args.verbose,
@@ -89,8 +90,7 @@ def _chat(args: argparse.Namespace, message: str, choice: SessionChoice, profile
             host.session.rt.close()
             if host.session.rt is not first:  # /model loaded another (the first one is closed already)
                 first.close()
-            named = choice.options.profile if choice.options is not None else None
-            remake.start_in_background(named or profile.name)  # states an upgrade left, made again
+            remake.start_in_background(run.profile or profile.name)  # states an upgrade left, made again
 
 
 def _run_ui(host: Host, args: argparse.Namespace, message: str, interactive: bool,
