@@ -139,6 +139,7 @@ def test_options_are_kept_with_whole_paths_and_a_damaged_one_is_left_out(tmp_pat
     assert kept == runoptions.RunOptions(None, {"temperature": 0.5, "tools": True, "mcp": ("files",)})
     assert runoptions.flags(kept) == "--temperature 0.5 --tools --mcp files"
     assert runoptions.flags(runoptions.RunOptions(None, {"system": "Be brief."})) == "--system 'Be brief.'"
+    assert runoptions.flags(runoptions.RunOptions(None, {"temperature": 0.0})) == "--temperature 0"  # as it was given
     assert runoptions.read({"options": "x"}) is None and runoptions.read({}) is None
     now = runoptions.of_run("rtx3060", {"tools": False, "allow_tools": ("read_file",), "top_k": None})
     assert now.given == {"tools": False}  # an approval in advance is given each run, never kept

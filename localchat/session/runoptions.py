@@ -94,6 +94,10 @@ def merged(kept: RunOptions | None, now: RunOptions) -> tuple[RunOptions, RunOpt
     return RunOptions(now.profile or kept.profile, {**taken.given, **now.given}), taken
 
 
+def _shown(value: Any) -> str:
+    return format(value, "g") if isinstance(value, float) else str(value)  # 0.0 was given as 0
+
+
 def flags(options: RunOptions) -> str:
     """The options as a command line gives them: "--profile rtx3060 --tools --kv-type q8_0"."""
     words = [f"--profile {options.profile}"] if options.profile else []
@@ -102,7 +106,7 @@ def flags(options: RunOptions) -> str:
         if isinstance(value, bool):
             words.append(flag if flag.startswith("--no-") or value else "--no-" + flag[2:])
             continue
-        text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        text = ",".join(map(str, value)) if isinstance(value, tuple) else _shown(value)
         shown = shlex.quote(text) if len(text) <= LONGEST_SHOWN else f"({len(text)} characters)"
         words.append(f"{flag} {shown}")
     return " ".join(dict.fromkeys(words))  # --kv-type and --threads stand for two settings each
