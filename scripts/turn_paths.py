@@ -55,7 +55,9 @@ def main() -> None:
                                                   "max_tokens": 64, "type_k": args.kv_type, "type_v": args.kv_type})
     TRACE.trace_to(str(trace_file))
     rt = runtime.open_runtime(profile, lambda text: None)
-    ctl = Session(rt, SessionDir("paths"), lambda text: None, autosave=False)
+    store = SessionDir("paths")
+    store.lock()  # the session's folder made, as a chat's is: its transcript is written
+    ctl = Session(rt, store, lambda text: None, autosave=False)
     chat, engine = rt.chat, rt.engine
     chat.set_system(text_of(engine, 1024, "system"), cause="")
     users = [text_of(engine, 150, f"question {i}") for i in range(args.turns + args.rounds)]
