@@ -136,6 +136,29 @@ def test_an_edit_is_shown_as_a_diff_and_written_whole(tmp_path):
     assert call_line("edit_file", {"path": "notes.txt"}, twice).endswith("times in the file; it must occur once.]")
 
 
+def test_an_edit_that_cannot_apply_says_nothing_of_a_file_outside_before_it_is_approved(tmp_path):
+    """An edit naming a file outside the working directory whose text is not there was answered, unasked, with
+    "occurs 0 times ... The file holds:" and the whole file: any file the process can read went to the model
+    without the user's approval. Now the user is asked, told why it would fail, and a denial tells the model
+    nothing of the file. Inside, a made-up path (the 1.5B's "/path/to/server.py" is outside; "src/server.py" here)
+    is refused at once with the files there are, where it said "occurs 0 times" in an empty file."""
+    secret = tmp_path.parent / f"{tmp_path.name}-secret.txt"
+    secret.write_text("api_key = 12345-very-secret\n")
+    (tmp_path / "server.py").write_text("PORT = 8080\n")
+    asked = []
+    box = Toolbox(Root(tmp_path), approve=lambda r: (asked.append(r), Decision("deny"))[1])
+    denied = box.run("edit_file", {"path": str(secret), "old": "PORT = 8080", "new": "PORT = 9090"})
+    assert denied.status == "denied" and "12345" not in denied.text
+    assert asked[0].outside == str(secret) and "as it stands, it fails: the text to replace occurs 0 times" in \
+        asked[0].shown and "12345" not in asked[0].shown
+    missing = box.run("edit_file", {"path": "src/server.py", "old": "PORT = 8080", "new": "PORT = 9090"})
+    assert missing.status == "error" and missing.text == "edit_file: there is no file src/server.py; the files " \
+        "here: server.py" and len(asked) == 1
+    box = Toolbox(Root(tmp_path), approve=lambda r: Decision("once"))  # approved: the user let it look there
+    approved = box.run("edit_file", {"path": str(secret), "old": "PORT = 8080", "new": "PORT = 9090"})
+    assert approved.status == "error" and "12345" in approved.text and secret.read_text().startswith("api_key")
+
+
 def test_a_write_or_an_edit_that_changes_nothing_is_not_asked_about_and_writes_nothing(tmp_path):
     """The 1.5B, asked what notes.md holds, read it and then called write_file with the same text, its last line end
     dropped; the user was asked to approve that, denied it, and got "I can't assist". Such a call now answers that

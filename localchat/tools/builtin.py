@@ -199,8 +199,22 @@ class Toolbox:
         tool = BUILTIN[name]
         place = self.root.place(a["path"]) if "path" in a else None
         outside = str(place.path) if place is not None and not place.inside else ""
-        shown = tool.shown(self, a) if tool.shown is not None else _arguments(a) or "(the whole working directory)"
+        shown = self._shown(tool, a, bool(outside))
         return Request(name, a, shown, not tool.read_only, outside, may_always=not tool.per_call and not outside)
+
+    def _shown(self, tool: Tool, a: dict[str, Any], outside: bool) -> str:
+        """What the user is shown of a call. A call that would fail is refused at once inside the working
+        directory; outside it the user is asked all the same, told why: the reason (a missing text, the file's
+        content) says something of a file there, which reaches the model only once the user approves."""
+        if tool.shown is None:
+            return _arguments(a) or "(the whole working directory)"
+        try:
+            return tool.shown(self, a)
+        except (ToolError, OSError) as why:
+            if not outside:
+                raise
+            reason = str(why) if isinstance(why, ToolError) else why.strerror or str(why)
+            return f"{_arguments(a)}\n(as it stands, it fails: {reason.splitlines()[0]})"
 
     def _unchanged(self, name: str, a: dict[str, Any]) -> str:
         """The result of a write or an edit that would leave the file as it is ("" for any other call). A small
@@ -213,8 +227,9 @@ class Toolbox:
                 return f"{a['path']} already holds this content: nothing was written"
         return ""
 
-    @staticmethod
-    def _edited(path: Path, old: str, new: str) -> tuple[str, str]:
+    def _edited(self, path: Path, old: str, new: str, named: str) -> tuple[str, str]:
+        if not path.exists():  # a small model's made-up path ("/path/to/server.py"): the files it could mean
+            raise ToolError(f"there is no file {named}; the files here: {self._some_files()}")
         text = _current(path)
         count = text.count(old) if old else 0
         if count != 1:
@@ -330,7 +345,7 @@ class Toolbox:
 
     def _edit_file(self, path: str, old: str, new: str) -> str:
         p = self.root.place(path).path
-        _, after = self._edited(p, old, new)
+        _, after = self._edited(p, old, new, path)
         atomic_write(p, [after.encode()])
         return f"edited {path}"
 
@@ -461,7 +476,7 @@ def _write_shown(box: Toolbox, a: dict[str, Any]) -> str:
 
 def _edit_shown(box: Toolbox, a: dict[str, Any]) -> str:
     place = box.root.place(a["path"])
-    return _diff(place, *box._edited(place.path, a["old"], a["new"]))
+    return _diff(place, *box._edited(place.path, a["old"], a["new"], a["path"]))
 
 
 def _search_conversations(box: Toolbox, query: str, limit: int = 5) -> str:
