@@ -122,6 +122,21 @@ def test_tools_refuse_bad_calls_with_one_line_and_run_nothing(tmp_path):
     assert "+x" in asked[-1].shown and asked[-1].side_effect
 
 
+def test_a_search_does_not_read_a_file_that_a_symlink_leads_out_of_the_working_directory(tmp_path):
+    """A folder cloned from anywhere may hold `notes -> ~/.ssh/id_rsa`: read_file asks about it (a path outside),
+    but search_text, approved for the working directory, returned its lines unasked."""
+    root, secret = tmp_path / "project", tmp_path / "secret.txt"
+    root.mkdir()
+    secret.write_text("api_key = 12345-very-secret\n")
+    (root / "notes.txt").write_text("api_key = (ask the admin)\n")
+    (root / "keys.txt").symlink_to(secret)
+    box = Toolbox(Root(root), approve=lambda r: pytest.fail(f"asked about {r.tool}"), allowed={"search_text"})
+    for pattern in ("api_key", "very-secret"):  # the second finds nothing here, then searches wider
+        found = box.run("search_text", {"pattern": pattern})
+        assert found.status == "ok" and "12345" not in found.text
+    assert box.run("search_text", {"pattern": "api_key"}).text == "notes.txt:1: api_key = (ask the admin)"
+
+
 def test_an_edit_is_shown_as_a_diff_and_written_whole(tmp_path):
     (tmp_path / "notes.txt").write_text(NOTES)
     seen = []

@@ -327,6 +327,8 @@ class Toolbox:
     def _lines(self, glob: str) -> Iterator[tuple[str, str]]:
         """Each text line of the files `glob` matches, with its place (path:line)."""
         for f in self._files(glob):
+            if not self.root.place(str(f)).inside:  # a symlink out of the working directory: a read's own approval
+                continue
             try:
                 with open(f, "rb") as fh:
                     data = fh.read(READ_BYTES)
