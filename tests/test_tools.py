@@ -137,6 +137,17 @@ def test_a_search_does_not_read_a_file_that_a_symlink_leads_out_of_the_working_d
     assert box.run("search_text", {"pattern": "api_key"}).text == "notes.txt:1: api_key = (ask the admin)"
 
 
+def test_a_search_whose_pattern_backtracks_without_end_is_stopped_and_the_model_told(tmp_path):
+    """`(a+)+$` against a line of 27 a's and a b: Python's re backtracks over 2^27 ways (about 20 s here, each a
+    more doubling it) holding the GIL, and the chat froze; the search now runs in a child process stopped at the
+    tool's time limit, and the model is told to search for plain words."""
+    (tmp_path / "log.txt").write_text("a" * 27 + "b\nall good\n")
+    box = Toolbox(Root(tmp_path), approve=lambda r: Decision("once"), timeout=1)
+    stuck = box.run("search_text", {"pattern": "(a+)+$"})
+    assert stuck.status == "error" and "takes too long" in stuck.text and "plain words" in stuck.text
+    assert box.run("search_text", {"pattern": "all g[o]+d"}).text == "log.txt:2: all good"  # the next one runs
+
+
 def test_an_edit_is_shown_as_a_diff_and_written_whole(tmp_path):
     (tmp_path / "notes.txt").write_text(NOTES)
     seen = []

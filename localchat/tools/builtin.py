@@ -27,6 +27,7 @@ from typing import Any
 
 from localchat.arguments import validate
 from localchat.fsutil import atomic_write, walk_files
+from localchat.tools import linesearch
 from localchat.tools.registry import Registry, Tool
 from localchat.tools.rooted import Place, Root
 
@@ -35,6 +36,7 @@ RESULT_CHARS = 12_000  # a result longer than this is cut (and says so): a small
 READ_BYTES = 4 << 20  # a file larger than this is read only in part
 MOST_FILES = 2_000
 MOST_MATCHES = 200
+SEARCH_SECONDS = 10.0  # a search's regular expression is stopped past this (or the tool timeout, if shorter)
 MOST_LISTED = 50  # files named where a path given does not exist
 MOST_WORD_HITS = 20  # lines shown where a phrase is found only by its words
 _COMMON = {"the", "and", "for", "with", "that", "this", "from", "are", "was", "what", "which", "when", "where"}
@@ -313,31 +315,23 @@ class Toolbox:
 
     def _matches(self, pattern: str, glob: str) -> str:
         try:
-            rx = re.compile(pattern)
-        except re.error:
-            rx = re.compile(re.escape(pattern))  # not a regular expression: searched as plain text
-        hits: list[str] = []
-        for place, line in self._lines(glob):
-            if rx.search(line):
-                hits.append(f"{place}: {line[:300]}")
-                if len(hits) >= MOST_MATCHES:
-                    return "\n".join(hits) + f"\n[stopped at {MOST_MATCHES} matches]"
-        return "\n".join(hits)
+            hits, stopped = linesearch.search(pattern, self._searched(glob), READ_BYTES, MOST_MATCHES,
+                                              min(self.timeout, SEARCH_SECONDS), self.cancelled)
+        except linesearch.SearchStopped as why:
+            raise ToolError(f"{why}: the pattern {pattern!r} takes too long (one that backtracks, like (a+)+$); "
+                            "search for plain words") from None
+        return "\n".join(hits) + (f"\n[stopped at {MOST_MATCHES} matches]" if stopped else "")
+
+    def _searched(self, glob: str) -> list[tuple[str, str]]:
+        """The files `glob` matches, as (path, shown); none that a symlink leads out of the working directory (its
+        read has an approval of its own)."""
+        return [(str(f), self.root.relative(f)) for f in self._files(glob) if self.root.place(str(f)).inside]
 
     def _lines(self, glob: str) -> Iterator[tuple[str, str]]:
         """Each text line of the files `glob` matches, with its place (path:line)."""
-        for f in self._files(glob):
-            if not self.root.place(str(f)).inside:  # a symlink out of the working directory: a read's own approval
-                continue
-            try:
-                with open(f, "rb") as fh:
-                    data = fh.read(READ_BYTES)
-            except OSError:
-                continue
-            if b"\0" in data[:8192]:
-                continue
-            for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
-                yield f"{self.root.relative(f)}:{n}", line
+        for path, shown in self._searched(glob):
+            for n, line in linesearch.file_lines(path, READ_BYTES):
+                yield f"{shown}:{n}", line
 
     def _write_file(self, path: str, content: str) -> str:
         p = self.root.place(path).path
