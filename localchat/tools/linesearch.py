@@ -17,7 +17,7 @@ LINE_SHOWN = 300  # a matching line's characters in the result
 
 
 class SearchStopped(Exception):
-    """The search ran past its time or the user stopped it."""
+    """The search ran past its time, the user stopped it, or it failed: why, in words the model reads."""
 
 
 def file_lines(path: str, read_bytes: int) -> Iterator[tuple[int, str]]:
@@ -64,8 +64,11 @@ def search(pattern: str, files: list[tuple[str, str]], read_bytes: int, most: in
                 break
             except subprocess.TimeoutExpired:
                 given = None  # handed over whole on the first call
-                if time.monotonic() - t0 > seconds or (cancelled is not None and cancelled()):
-                    raise SearchStopped(f"stopped after {time.monotonic() - t0:.0f} s") from None
+                if cancelled is not None and cancelled():
+                    raise SearchStopped("the search was stopped by the user") from None
+                if time.monotonic() - t0 > seconds:
+                    raise SearchStopped(f"the pattern {pattern!r} took more than {seconds:g} s and was stopped (one "
+                                        "that backtracks, like (a+)+$); search for plain words") from None
     finally:
         if proc.poll() is None:
             proc.kill()
