@@ -32,7 +32,12 @@ def fsync_dir(path: Path) -> None:
 def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
     """Write to a temp file, fsync, rename over path, fsync the directory."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
+    new = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    try:
+        fd = os.open(tmp, new, PRIVATE_FILE)
+    except FileExistsError:  # left by a crash, or planted (a symlink out): the name itself removed, made anew
+        tmp.unlink()
+        fd = os.open(tmp, new, PRIVATE_FILE)
     try:
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
@@ -46,6 +51,8 @@ def atomic_write(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
     fsync_dir(path.parent)
 
 
+GITIGNORE_BYTES = 1 << 20  # a larger .gitignore is not read (its patterns would slow every walk)
+
 # folders a walk never enters: version control, dependencies, caches, build output
 ALWAYS_SKIPPED = {".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv", ".mypy_cache",
                   ".pytest_cache", ".ruff_cache", ".tox", "dist", "build"}
@@ -54,7 +61,8 @@ ALWAYS_SKIPPED = {".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv",
 def _ignored(root: Path) -> object | None:
     """A matcher for the directory's .gitignore (None when it has none)."""
     gitignore = root / ".gitignore"
-    if not gitignore.is_file():
+    # a symlink could lead out of the folder (what it matches would tell of a file there); git >= 2.32 skips one too
+    if gitignore.is_symlink() or not gitignore.is_file() or gitignore.stat().st_size > GITIGNORE_BYTES:
         return None
     import pathspec
 

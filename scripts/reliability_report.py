@@ -31,6 +31,9 @@ CLASSES = {
                        "read or run lost",
     "test_hostile_images": "Damaged vision projectors (refused before clip.cpp would abort) and hostile images "
                            "(damaged, truncated, bombs): one line each",
+    "test_hostile_tools": "A hostile working directory (a FIFO, symlink loops, links out to a secret and to "
+                          "/dev/zero, a symlinked .gitignore, a backtracking line) and hostile calls: bounded, one "
+                          "line, nothing of a file outside before approval",
 }
 
 
@@ -115,6 +118,15 @@ def write(rows: list[dict], took: float, returncode: int) -> int:
               "template stored as a number is ignored with a notice; `localchat models` and `plan` say so. Likewise 3 "
               "Qwen3-VL text models (M-RoPE sections, deepstack layers) and 4 Gemma 4 ones (shared KV layers, no "
               "sliding window) written by the tests, each of which aborted llama.cpp.",
+              "- **Hostile working directories and tool calls**: a folder holding a FIFO, a symlink loop, links out "
+              "of it to a secret file and to /dev/zero, a .gitignore linked to the secret and a line that makes "
+              "`(a+)+$` backtrack; 20 calls on them (reads, file info, listing, searches plain and backtracking, "
+              "writes and edits of the FIFO, /dev/zero, /dev/urandom and the links, a NUL byte in a path, a command "
+              "that closes its output and sleeps), each run and read ahead of its approval: each returns within "
+              "its bound (a command or a search stopped at the tool's time limit), in one line, with nothing of the "
+              "secret in any result or approval prompt; an approved write through a temp name planted as a "
+              "symlink out writes the file it names; an MCP server named `edit`, `write` or `run` does not let "
+              "`allow_tools` approve the built-in `edit_file`, `write_file` or `run_command`.",
               "- **Sudden ends**: SIGTERM and SIGHUP mid-reply end the reply as Ctrl-C does (kept, marked cut), "
               "save and exit with 128 + the signal; between turns they save and exit; kill -9 mid-reply keeps the "
               "question (on disk before the reply starts); closing the tmux window mid-reply keeps the question "

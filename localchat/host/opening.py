@@ -48,7 +48,9 @@ class Opening:
 def check_tools(profile: Profile, given: tuple[str, ...] = ()) -> None:
     """ProfileError where the profile approves in advance a tool that may not be (a side effect); one that
     --allow-tool named (`given`) is said to be the option's, not the profile file's."""
-    builtin = tuple(n for n in profile.allow_tools if not any(n.startswith(full_name(s, "")) for s in profile.mcp))
+    # a built-in's name is the built-in's even where it starts like an MCP tool's ("edit_file" with a server "edit")
+    builtin = tuple(n for n in profile.allow_tools if n in BUILTIN.names()
+                    or not any(n.startswith(full_name(s, "")) for s in profile.mcp))
     if not (profile.tools or profile.mcp):
         return
     if problem := advance_problem(tuple(n for n in builtin if n in given)):

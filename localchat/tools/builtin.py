@@ -34,11 +34,13 @@ from localchat.tools.rooted import Place, Root
 BUILTIN = Registry()  # every built-in tool's record (registered below the Toolbox, whose methods run them)
 RESULT_CHARS = 12_000  # a result longer than this is cut (and says so): a small context holds little more
 READ_BYTES = 4 << 20  # a file larger than this is read only in part
+EDIT_BYTES = 16 << 20  # a file larger than this is not written over or edited (its diff, its copy in memory)
 MOST_FILES = 2_000
 MOST_MATCHES = 200
 SEARCH_SECONDS = 10.0  # a search's regular expression is stopped past this (or the tool timeout, if shorter)
 MOST_LISTED = 50  # files named where a path given does not exist
 MOST_WORD_HITS = 20  # lines shown where a phrase is found only by its words
+MOST_ALIKE_WANTED, MOST_KNOWN_WORDS, MOST_ALIKE_LINES = 8, 20_000, 200_000  # the spelt-alike search's bounds
 _COMMON = {"the", "and", "for", "with", "that", "this", "from", "are", "was", "what", "which", "when", "where"}
 SHOWN_CHARS = 4_000  # of a file shown where an edit of it cannot apply
 LINES_BYTES = 64 << 20  # file_info counts the lines of a text file up to this size
@@ -248,6 +250,8 @@ class Toolbox:
             raise ToolError(f"{path} is a directory (list_files lists it)")
         if not p.exists():
             raise ToolError(f"there is no file {path}; the files here: {self._some_files()}")
+        if not p.is_file():  # opened, a FIFO would wait for a writer (before the approval, when read ahead)
+            raise ToolError(f"{path} is not a regular file (a pipe, a device or a socket)")
         with open(p, "rb") as f:
             data = f.read(READ_BYTES)
         if b"\0" in data[:8192]:
@@ -298,15 +302,25 @@ class Toolbox:
     def _spelt_alike(self, pattern: str) -> str:
         """Lines holding a word spelt almost like one of the pattern's (the user's "recieve" searched as
         "receive", or the other way round)."""
-        wanted = [w.lower() for w in re.findall(r"[^\W\d_]{4,}", pattern)]
+        wanted = [w.lower() for w in re.findall(r"[^\W\d_]{4,}", pattern)][:MOST_ALIKE_WANTED]
         if not wanted:
             return ""
-        known = {w.lower() for _, line in self._lines("") for w in re.findall(r"[^\W\d_]{4,}", line)}
+        known = self._known_words()
         alike = {m for w in wanted for m in difflib.get_close_matches(w, known, n=3, cutoff=0.8)} - set(wanted)
         if not alike:
             return ""
         hits = self._matches("(?i)\\b(" + "|".join(map(re.escape, sorted(alike))) + ")\\b", "").splitlines()
         return "\n".join(hits[:MOST_WORD_HITS])
+
+    def _known_words(self) -> set[str]:
+        """The files' words of 4 letters or more, from their first lines up to a bound: difflib weighs each against
+        each word wanted (40 words over 16 MB of text took 151 s, in the chat's process)."""
+        known: set[str] = set()
+        for n, (_, line) in enumerate(self._lines("")):
+            known.update(w.lower() for w in re.findall(r"[^\W\d_]{4,}", line))
+            if len(known) >= MOST_KNOWN_WORDS or n >= MOST_ALIKE_LINES or (self.cancelled and self.cancelled()):
+                break
+        return known
 
     def _some_files(self) -> str:
         files = [self.root.relative(f) for f in self._files("")]
@@ -324,7 +338,7 @@ class Toolbox:
     def _searched(self, glob: str) -> list[tuple[str, str]]:
         """The files `glob` matches, as (path, shown); none that a symlink leads out of the working directory (its
         read has an approval of its own)."""
-        return [(str(f), self.root.relative(f)) for f in self._files(glob) if self.root.place(str(f)).inside]
+        return [(str(f), self.root.relative(f)) for f in self._files(glob) if f.is_file() and _inside(self.root, f)]
 
     def _lines(self, glob: str) -> Iterator[tuple[str, str]]:
         """Each text line of the files `glob` matches, with its place (path:line)."""
@@ -359,7 +373,7 @@ class Toolbox:
             target = self.root.relative(p) if p.exists() else f"{os.readlink(named)} (which does not exist)"
             lines.append(f"target: {target}" + (" (a directory)" if p.is_dir() else ""))
         st = p.stat() if p.exists() else named.lstat()
-        if p.is_file():
+        if p.is_file():  # only a regular file is opened to count its lines
             lines.append(f"size: {st.st_size} bytes")
             lines.append(f"lines: {_line_count(p, st.st_size)}")
         lines.append(f"modified: {datetime.fromtimestamp(st.st_mtime).astimezone().isoformat(timespec='seconds')}")
@@ -398,17 +412,30 @@ def _line_count(path: Path, size: int) -> str:
     return str(data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0))
 
 
+def _inside(root: Root, path: Path) -> bool:
+    """Whether a file of the walk is inside the root where it leads (not through a symlink out, not a loop)."""
+    try:
+        return root.place(str(path)).inside
+    except OSError:
+        return False
+
+
 def _arguments(args: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in args.items())
 
 
 def _current(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except FileNotFoundError:
+    """A file's text before a write or an edit ("" where there is none yet). Read only where it is a regular file
+    of a bounded size: a FIFO would block before the user is asked, /dev/zero would fill the memory."""
+    if not path.exists():
         return ""
-    except IsADirectoryError:
-        raise ToolError(f"{path} is a directory") from None
+    if path.is_dir():
+        raise ToolError(f"{path} is a directory")
+    if not path.is_file():
+        raise ToolError(f"{path} is not a regular file (a pipe, a device or a socket)")
+    if path.stat().st_size > EDIT_BYTES:
+        raise ToolError(f"{path} is larger than {EDIT_BYTES >> 20} MiB: not written or edited here")
+    return path.read_text(errors="replace")
 
 
 def _diff(place: Place, before: str, after: str) -> str:
@@ -434,7 +461,8 @@ def run_shell(command: str, cwd: Path, timeout: float, cancelled: Callable[[], b
             if not select.select([proc.stdout], [], [], min(left, 0.5))[0]:
                 continue
             chunk = os.read(proc.stdout.fileno(), 1 << 16)
-            if not chunk:
+            if not chunk:  # the output closed: `exec >/dev/null; sleep 30` runs on, within the same bounds
+                stopped = not _ended(proc, timeout - (time.monotonic() - t0), cancelled)
                 break
             total += len(chunk)
             kept += chunk[:max(0, 4 * RESULT_CHARS - len(kept))]  # a flood is counted, not kept
@@ -454,6 +482,18 @@ def run_shell(command: str, cwd: Path, timeout: float, cancelled: Callable[[], b
     if stopped:
         ended = f"stopped after {timeout:g} s" if took >= timeout else "stopped by the user"
     return f"{text}\n[{ended}]"
+
+
+def _ended(proc: subprocess.Popen[bytes], left: float, cancelled: Callable[[], bool] | None) -> bool:
+    """Whether the command ends within `left` seconds and before the user stops it."""
+    deadline = time.monotonic() + left
+    while time.monotonic() < deadline and not (cancelled is not None and cancelled()):
+        try:
+            proc.wait(timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
+            return True
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.poll() is not None
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -6,6 +6,7 @@ directory is outside it, as `..` is. A path outside needs its own approval, ever
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +26,15 @@ class Root:
         self.root = root.resolve()
 
     def place(self, given: str) -> Place:
+        """Where `given` leads; OSError for a path that leads nowhere (a symlink loop, a NUL byte), which a tool
+        answers in one line (it ended the chat)."""
+        if "\0" in given:
+            raise OSError(errno.EINVAL, f"{given!r} holds a NUL byte: no path does")
         raw = Path(os.path.expanduser(given or "."))
-        path = (raw if raw.is_absolute() else self.root / raw).resolve()
+        try:
+            path = (raw if raw.is_absolute() else self.root / raw).resolve()
+        except RuntimeError:  # pathlib's word for a symlink loop
+            raise OSError(errno.ELOOP, f"{given} is a symlink loop") from None
         return Place(path, given or ".", path == self.root or self.root in path.parents)
 
     def relative(self, path: Path) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 
 from localchat.arguments import validate
 from localchat.fsutil import atomic_write
-from localchat.tools.builtin import DENIED, RESULT_CHARS, Request, Result, Toolbox, call_line, cap
+from localchat.tools.builtin import BUILTIN, DENIED, RESULT_CHARS, Request, Result, Toolbox, call_line, cap
 from localchat.tools.mcp import Hub, McpTool
 from localchat.tools.mcpconfig import ServerSpec
 
@@ -95,7 +95,7 @@ class ToolSet:
     # ------------------------------------------------------------ the list
     def _offer(self) -> None:
         self.notices, self._offered = [], {}
-        taken = set(self.box.offered)
+        taken = set(BUILTIN.names())  # no MCP tool takes a built-in's name, offered or not (nor its approval)
         for name, tools in self._seen.items():
             assert self.hub is not None
             spec = self.hub.servers[name].spec
