@@ -250,11 +250,10 @@ class Toolbox:
             raise ToolError(f"{path} is a directory (list_files lists it)")
         if not p.exists():
             raise ToolError(f"there is no file {path}; the files here: {self._some_files()}")
-        if not p.is_file():  # opened, a FIFO would wait for a writer (before the approval, when read ahead)
-            raise ToolError(f"{path} is not a regular file (a pipe, a device or a socket)")
+        _regular_only(p, path)  # before the approval too, when read ahead
         with open(p, "rb") as f:
             data = f.read(READ_BYTES)
-        if b"\0" in data[:8192]:
+        if b"\0" in data[:linesearch.BINARY_PROBE]:
             raise ToolError(f"{path} is a binary file")
         lines = data.decode("utf-8", "replace").splitlines()
         end = end or len(lines)
@@ -407,9 +406,16 @@ def _line_count(path: Path, size: int) -> str:
         return f"not counted (larger than {LINES_BYTES >> 20} MiB)"
     with open(path, "rb") as f:
         data = f.read(LINES_BYTES)
-    if b"\0" in data[:8192]:
+    if b"\0" in data[:linesearch.BINARY_PROBE]:
         return "none (a binary file)"
     return str(data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0))
+
+
+def _regular_only(path: Path, named: str) -> None:
+    """ToolError for a path that is there but no regular file: opened, a FIFO waits for a writer, /dev/zero never
+    ends."""
+    if not path.is_file():
+        raise ToolError(f"{named} is not a regular file (a pipe, a device or a socket)")
 
 
 def _inside(root: Root, path: Path) -> bool:
@@ -431,8 +437,7 @@ def _current(path: Path) -> str:
         return ""
     if path.is_dir():
         raise ToolError(f"{path} is a directory")
-    if not path.is_file():
-        raise ToolError(f"{path} is not a regular file (a pipe, a device or a socket)")
+    _regular_only(path, str(path))
     if path.stat().st_size > EDIT_BYTES:
         raise ToolError(f"{path} is larger than {EDIT_BYTES >> 20} MiB: not written or edited here")
     return path.read_text(errors="replace")
