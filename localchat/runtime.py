@@ -205,10 +205,11 @@ def plan_for(profile: Profile, info: ModelInfo, report: Report | None = None) ->
 
 
 def engine_config(profile: Profile, info: ModelInfo, n_ctx: int, verbose: bool, cores: int = 0,
-                  plan: MemoryPlan | None = None, sequences: int = 1) -> EngineConfig:
+                  plan: MemoryPlan | None = None, sequences: int = 2) -> EngineConfig:
     """`cores`: the thread count auto starts from (0: every logical CPU); `plan`: the devices it placed
     the model on (without one, llama.cpp's own choice); `sequences`: llama.cpp sequences sharing the context's
-    cells (the server parks conversations in them). The settings of the same name are the profile's."""
+    cells (the server parks conversations in them; the last is a spare, as EngineConfig's). The settings of the
+    same name are the profile's."""
     cards = [d.name for d in plan.devices] if plan and plan.gpu else []
     split = plan.shares if plan and len(cards) > 1 else []
     main = cards.index(f"CUDA{profile.main_gpu}") if profile.split_mode == "row" and len(cards) > 1 else 0
@@ -358,7 +359,7 @@ def open_draft(profile: Profile, plan: MemoryPlan, engine: Engine, report: Repor
 
 
 def open_runtime(profile: Profile, report: Report, verbose: bool = False, explicit_ctx: bool = False,
-                 sequences: int = 1) -> Runtime:
+                 sequences: int = 2) -> Runtime:
     """`explicit_ctx`: n_ctx came from the command line (then above the trained context is an error);
     `sequences`: as engine_config."""
     # the other processes' load is measured from here to after the model loaded

@@ -201,7 +201,7 @@ PY
       echo "seed bench ($kv) at $(( $(date +%s) - t0 )) s"; grep -E "over_server|paths|resume:" "$OUT/seed-8b-$kv.txt"
     done
     timeout ${WRITES_S:-150} python3 -X faulthandler scripts/kv_writes.py --profile h200 --model $M/8b-gqa.gguf \
-      --kv-type q8_0 --ctx 22528 --turns 20 --pause 0.5 --repeat 5 --out "$OUT/kv-restores-8b-q8_0.json" > /dev/null \
+      --kv-type q8_0 --ctx 22528 --turns 20 --pause 0.5 --repeat ${REPEAT:-5} --out "$OUT/kv-restores-8b-q8_0.json" > /dev/null \
       2> "$OUT/kv-restores-8b-q8_0.err"
     echo "restores at $(( $(date +%s) - t0 )) s"; grep -o '"restore_[a-z]*_median_s": [0-9.]*' "$OUT/kv-restores-8b-q8_0.json"
     timeout 100 python3 -X faulthandler scripts/turn_paths.py --profile h200 --model $M/8b-gqa.gguf --kv-type q8_0 \

@@ -76,8 +76,8 @@ def _greedy(engine, tokens: list[int]) -> tuple[int, np.ndarray | None]:
     return gen.tokens[0], logits
 
 
-STAGES = (("kvdisk", "read_saved"), ("kvdelta", "parse"), ("kvdelta", "merged"), ("kvdelta", "placed"),
-          ("statefile", "read_payload"), ("statefile", "read_payload_placed"), ("kvdelta", "read_segments"))
+STAGES = (("kvdisk", "read_saved"), ("statefile", "read_payload"), ("statefile", "read_payload_into"),
+          ("statefile", "check_payload"), ("kvdelta", "check"))
 
 
 def traced(engine, spent: dict[str, float]) -> list[str]:
@@ -86,7 +86,7 @@ def traced(engine, spent: dict[str, float]) -> list[str]:
     from localchat.session import kvdelta, kvdisk, statefile
     modules = {"kvdisk": kvdisk, "kvdelta": kvdelta, "statefile": statefile}
 
-    inside: set[str] = set()  # a stage that calls itself (read_payload_placed making its own pool) counts once
+    inside: set[str] = set()  # a stage that calls itself counts once
 
     def wrap(owner, name: str) -> None:
         inner = getattr(owner, name)
@@ -104,9 +104,10 @@ def traced(engine, spent: dict[str, float]) -> list[str]:
         setattr(owner, name, timed)
     for module, name in STAGES:
         wrap(modules[module], name)
-    for name in ("staged", "load_state"):  # staged: the pinned buffer taken
+    engine_stages = ("staged", "load_state", "load_chain")  # staged: the pinned buffer taken
+    for name in engine_stages:
         wrap(engine, name)
-    return [name for _, name in STAGES] + ["staged", "load_state"]
+    return [name for _, name in STAGES] + list(engine_stages)
 
 
 def restores(home: Path, args: argparse.Namespace) -> dict:

@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--profile", default="cpu")
     args = ap.parse_args()
     out = {}
-    for sequences in (PARKED + 1, 1):
+    for sequences in (PARKED + 2, 1):
         os.environ["LOCALCHAT_HOME"] = tempfile.mkdtemp(prefix="serve-switch-")  # no conversation saved before
         profile = runtime.load_profile(args.profile, {"model": args.model, "n_ctx": args.ctx, "temperature": 0.0})
         with runtime.open_runtime(profile, lambda line: None, sequences=sequences) as rt:

@@ -200,15 +200,14 @@ def test_a_clean_exit_leaves_one_base_for_the_next_resume(home, tmp_path):
 
 
 @pytest.mark.parametrize("flash_attn", [True, False])
-def test_a_restore_reads_the_base_and_segments_straight_to_their_places(home, demo_path, flash_attn, monkeypatch):
-    """load_saved reads each byte of the base and the segments from disk into its place in the state laid out
-    (no copy of either in between), checked as it is read: the state llama.cpp gets is byte for byte the one
-    the segments describe and the live KV's, after a rewind into the base too (V rows, and V transposed). Each
-    segment is read in chunks on several threads, its CRC made of theirs: a byte flipped in a segment's last
-    chunk is found, the segment named; a deltas file gone before it is read is a state refused in one line."""
+def test_a_chain_is_restored_by_llama_cpp_from_the_mapped_files(home, demo_path, flash_attn, monkeypatch):
+    """load_saved hands llama.cpp the base, then each segment with its cut, straight from the mapped files (no copy,
+    no layout made here): the KV it restores is byte for byte the live one, after a rewind into the base too (V
+    rows, and V transposed). Each segment is checked in chunks on several threads, its CRC made of theirs: a byte
+    flipped in a segment's last chunk is found, the segment named, before llama.cpp is handed it; a deltas file
+    removed after the resume looked at it still restores (its mapping holds it)."""
     from localchat import runtime
     from localchat.session.kvdisk import path_of_deltas, read_saved
-    from localchat.session.statefile import StateRejected
 
     monkeypatch.setattr(kvdelta, "READ_CHUNK", 4096)  # segments of a few MB in several chunks
     from localchat.session.lifecycle import Session
@@ -230,24 +229,37 @@ def test_a_restore_reads_the_base_and_segments_straight_to_their_places(home, de
         live = bytes(engine.state_bytes())
         saved = read_saved(state)
         assert [s.cut for s in saved.segments] == [half, third] and saved.tokens == edited
-        assert all(isinstance(s.payload.obj, mmap.mmap) for s in saved.segments)  # mapped, not read, until placed
-        handed: list[bytes] = []
-        monkeypatch.setattr(engine, "load_state", lambda data, toks: handed.append(bytes(data)) is None)
+        handed: list[tuple[int, bool]] = []
+        load_chain = engine.load_chain
+
+        def watched(parts, held):
+            def each():
+                for cut, view in parts:
+                    handed.append((cut, isinstance(view.obj, mmap.mmap)))
+                    yield cut, view
+            return load_chain(each(), held)
+        monkeypatch.setattr(engine, "load_chain", watched)
+        engine.clear()
         assert kv.load_saved(saved)
-        assert handed == [live]
+        assert handed == [(0, True), (half, True), (third, True)]  # the files' own pages
+        assert bytes(engine.state_bytes()) == live and engine.tokens == edited
         last = saved.segments[-1]
         with path_of_deltas(state).open("r+b") as f:
             f.seek(last.at + last.size - 10)
             byte = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 0x40]))
+        handed.clear()
         with pytest.raises(kvdelta.Damaged) as found:
             kv.load_saved(read_saved(state))
-        assert found.value.index == len(saved.segments) - 1
+        assert found.value.index == len(saved.segments) - 1 and [cut for cut, _ in handed] == [0, half]
+        with path_of_deltas(state).open("r+b") as f:
+            f.seek(last.at + last.size - 10)
+            f.write(byte)
         saved = read_saved(state)
-        path_of_deltas(state).unlink()  # gone between the resume's look at the chain and its read
-        with pytest.raises(StateRejected, match="cannot read the KV deltas"):  # a rebuild follows, no crash
-            kv.load_saved(saved)
+        path_of_deltas(state).unlink()
+        engine.clear()
+        assert kv.load_saved(saved) and bytes(engine.state_bytes()) == live
     finally:
         ctl.close()
         rt.close()
@@ -263,16 +275,18 @@ def test_crc32_combine_gives_zlibs_crc_of_the_pieces_laid_end_to_end():
 
 
 def test_a_restore_through_the_pinned_buffer_gives_the_live_kv(home, demo_path, monkeypatch):
-    """A CUDA build restores through its pinned buffer: the base and the segments read into it, llama.cpp
-    handed the buffer itself. The same path on the CPU (a host buffer in the pinned buffer's place): the KV it
+    """A CUDA build restores through its pinned buffer: the base and the segments read into it end to end,
+    llama.cpp handed each part of the buffer itself as it is read and checked; a deltas file gone before it is read
+    is a state refused in one line. The same path on the CPU (a host buffer in the pinned buffer's place): the KV it
     restores gives the live KV's next-token logits, and the buffer is free again after it."""
     import ctypes
 
     from localchat import runtime
     from localchat.engine import pinned
-    from localchat.session.kvdisk import read_saved
+    from localchat.session.kvdisk import path_of_deltas, read_saved
     from localchat.session.lifecycle import Session
     from localchat.session.sessiondir import SessionDir
+    from localchat.session.statefile import StateRejected
 
     class HostBuffer(pinned.PinnedBuffer):
         def __init__(self, size: int):
@@ -314,6 +328,11 @@ def test_a_restore_through_the_pinned_buffer_gives_the_live_kv(home, demo_path, 
         engine.staging.give_back()
         engine.prefill(probe)
         assert np.allclose(last_logits(engine), live, atol=1e-4)
+        saved = read_saved(state)
+        path_of_deltas(state).unlink()  # gone between the resume's look at the chain and its read
+        with pytest.raises(StateRejected, match="cannot read q.delta"):  # a rebuild follows, no crash
+            kv.load_saved(saved)
+        assert engine.staging.lend(1) is not None  # given back all the same
     finally:
         ctl.close()
         rt.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 
 import llama_cpp as lc
 
@@ -134,7 +134,7 @@ class Engine(VocabText):
     def park(self, seq: int) -> bool:
         """The KV's evaluated tokens kept in sequence `seq` too (their cells shared, nothing copied), to `unpark`
         later; False where this context has no such sequence or the history holds placed image chunks."""
-        if not 0 < seq < self.sequences or self.positions.ends or not self.n_kv:
+        if not 0 < seq < self.sequences - 1 or self.positions.ends or not self.n_kv:  # the last is load_chain's
             return False
         lc.llama_memory_seq_rm(self.mem, seq, -1, -1)
         lc.llama_memory_seq_cp(self.mem, SEQ, seq, 0, self.n_kv)
@@ -590,18 +590,49 @@ class Engine(VocabText):
         """Restore a KV copied by state_bytes; the caller has verified it belongs here."""
         self._clear_kv()
         self.tokens, self.n_kv, self.logits_end = [], 0, -1
-        view = memoryview(data)
-        if self.staging is not None and self.staging.owns(view):
-            buf = view.obj  # the pinned buffer itself: copied to the card directly
-        else:
-            buf = (ctypes.c_uint8 * len(view)).from_buffer(view) if not view.readonly else \
-                (ctypes.c_uint8 * len(view)).from_buffer_copy(view)
-        loaded = lc.llama_state_seq_set_data(self.ctx, buf, len(view), SEQ)
-        while loaded == 0 and self._room_made(1):  # parked sequences hold the cells it needs
-            loaded = lc.llama_state_seq_set_data(self.ctx, buf, len(view), SEQ)
-        if loaded == 0:
+        if not self._set_state(memoryview(data), SEQ):
             self._clear_kv()
             return False
+        return self._loaded(tokens)
+
+    def load_chain(self, parts: Iterable[tuple[int, memoryview]], tokens: list[int]) -> bool:
+        """Restore a base state and the segments saved after it (each the cells from its cut on, as
+        session/kvdelta cuts them), each laid into the KV by llama.cpp as it comes (`parts` may check each part
+        as it is asked for): a segment's cells go to the spare sequence, the working one's from the cut on are
+        dropped, and the segment's cells join it (a unified KV: its cells are shared, nothing is copied). False
+        where llama.cpp refuses a part or the spare sequence is taken."""
+        spare = self.sequences - 1
+        self._clear_kv()
+        self.tokens, self.n_kv, self.logits_end = [], 0, -1
+        if spare < 1 or lc.llama_memory_seq_pos_max(self.mem, spare) >= 0:
+            return False
+        for i, (cut, data) in enumerate(parts):
+            if i and not lc.llama_memory_seq_rm(self.mem, SEQ, cut, -1):  # a chain's positions are its tokens'
+                break
+            if not self._set_state(data, SEQ if i == 0 else spare):
+                break
+            if i:
+                lc.llama_memory_seq_cp(self.mem, spare, SEQ, -1, -1)
+                lc.llama_memory_seq_rm(self.mem, spare, -1, -1)
+        else:
+            if lc.llama_memory_seq_pos_min(self.mem, SEQ) in (0, -1) and self._loaded(tokens):
+                return True
+        lc.llama_memory_seq_rm(self.mem, spare, -1, -1)
+        self._clear_kv()
+        return False
+
+    def _set_state(self, view: memoryview, seq: int) -> bool:
+        """One sequence state into sequence `seq` (llama.cpp drops what it held first); False where refused."""
+        view = view.cast("B") if view.format != "B" else view
+        buf = (ctypes.c_uint8 * len(view)).from_buffer_copy(view) if view.readonly else \
+            (ctypes.c_uint8 * len(view)).from_buffer(view)  # the pinned buffer's own pages: copied to the card directly
+        loaded = lc.llama_state_seq_set_data(self.ctx, buf, len(view), seq)
+        while loaded == 0 and self._room_made(1):  # parked sequences hold the cells it needs
+            loaded = lc.llama_state_seq_set_data(self.ctx, buf, len(view), seq)
+        return loaded != 0
+
+    def _loaded(self, tokens: list[int]) -> bool:
+        """After a state is loaded: the history is `tokens` where the KV ends at their last position."""
         placed = self._positions_from(tokens)
         if not placed or lc.llama_memory_seq_pos_max(self.mem, SEQ) != self.positions.at(len(tokens) - 1):
             self._clear_kv()

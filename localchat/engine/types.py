@@ -28,7 +28,9 @@ class EngineConfig:
     tensor_split: tuple[float, ...] = ()  # each device's share; (): by free memory (llama.cpp's default)
     main_gpu: int = 0  # index into devices: the one device (none), the results' device (row)
     pinned_bytes: int = 0  # a pinned host buffer this large for state copies, on a CUDA build (0: none)
-    sequences: int = 1  # llama.cpp sequences sharing the context's cells: the working one and parked ones
+    # llama.cpp sequences sharing the context's cells: the working one, parked ones (the server's), and the last, a
+    # spare that a saved chain of states is restored through (Engine.load_chain)
+    sequences: int = 2
 
     def threads(self) -> int:
         return self.n_threads or os.cpu_count() or 1

@@ -219,7 +219,7 @@ class Served:
         """A sequence to park in (0: this context has none): a free one, or the least used parked conversation's
         (not `keep`), which leaves for memory."""
         taken = {k.seq for k in self.kept if k.seq}
-        free = [s for s in range(1, self.engine.sequences) if s not in taken]
+        free = [s for s in range(1, self.engine.sequences - 1) if s not in taken]  # the last: Engine.load_chain's
         if free:
             return free[0]
         parked = self._least_used_parked(keep)

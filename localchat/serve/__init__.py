@@ -53,7 +53,7 @@ def run(profile: Profile, host: str, port: int, api_key: str, report: Callable[[
     served_log.setLevel(logging.INFO)
     served_log.propagate = False
     with runtime.open_runtime(profile, report, verbose=verbose, explicit_ctx=explicit_ctx,
-                              sequences=PARKED + 1) as rt:
+                              sequences=PARKED + 2) as rt:
         session = Session(rt, None, report, autosave=False, prefix_store=True)
         served = Served(session)
         served.warm_up()

@@ -7,8 +7,8 @@ sequence, then llama-kv-cache.cpp `state_write`): one stream, its cells' metadat
 per layer the K rows of every cell, and the V rows (or, with V transposed when flash attention is off, per layer
 and channel, one element per cell). Any other layout (several streams, sliding-window or recurrent memories,
 M-RoPE's cell extensions) does not parse exactly to its end and is saved whole. A segment is itself such a state
-of its cells: restoring keeps each source's cells below every later segment's cut, laid end to end, and llama.cpp
-places them by their positions.
+of its cells: a restore hands llama.cpp the base, then each segment in turn, the KV's cells from the segment's cut
+on dropped first (Engine.load_chain); nothing is laid out here.
 
 A segment on disk: b"LCKD" | u32 version | u32 header length | u32 header CRC-32 | header JSON | payload; the
 header names the base it follows (its payload digest), the cut, the tokens from the cut on and the payload's
@@ -26,14 +26,14 @@ import os
 import struct
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from localchat.engine.pinned import Place, read_placed_on, settle
+from localchat.engine.pinned import read_placed_on
 from localchat.fsutil import PRIVATE_FILE
 from localchat.session.statefile import READ_THREADS, StateRejected, chunk_hasher
 
@@ -150,31 +150,6 @@ def merged(sources: list[Cells], cuts: list[int]) -> list[memoryview | bytes]:
     return pieces
 
 
-def placed(pieces: list[memoryview | bytes], sources: list[memoryview]) -> tuple[list[list[Place]],
-                                                                             list[tuple[int, memoryview | bytes]]]:
-    """Where the pieces of a state laid out come from: per source (a buffer pieces may be views of: a mapped base
-    or deltas file), the runs to read from it ((offset in the source, bytes, offset in the state), sorted); and the
-    pieces of no source (made here), each with its offset in the state."""
-    bounds = [(_address(src), len(src)) for src in sources]
-    runs: list[list[Place]] = [[] for _ in sources]
-    made: list[tuple[int, memoryview | bytes]] = []
-    at = 0
-    for piece in pieces:
-        n = len(piece)
-        where = _address(piece) if isinstance(piece, memoryview) and n else -1
-        i = next((j for j, (a, size) in enumerate(bounds) if a <= where and where + n <= a + size), None)
-        if i is None:
-            made.append((at, piece))
-        else:
-            runs[i].append((where - bounds[i][0], n, at))
-        at += n
-    return [sorted(r) for r in runs], made
-
-
-def _address(view: memoryview | bytes) -> int:
-    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else -1
-
-
 def added(payload: memoryview, cut: int, n_tokens: int) -> bytes:
     """The state of the cells at positions from `cut` on, cut from a whole one of `n_tokens` tokens (Uncuttable
     where it cannot be: its cells are not the positions 0 to n_tokens - 1, one each)."""
@@ -189,7 +164,7 @@ def added(payload: memoryview, cut: int, n_tokens: int) -> bytes:
 class Segment:
     cut: int  # the KV's tokens from here on are replaced by `tokens`
     tokens: list[int]
-    payload: memoryview  # a sequence state of the cells it adds (its CRC checked by read(), or by read_placed())
+    payload: memoryview  # a sequence state of the cells it adds (its CRC checked by read(), or by check())
     start: int  # where the segment starts in the deltas file
     at: int  # where its payload starts there
     crc: int
@@ -231,13 +206,13 @@ def append(path: Path, segment: bytes, valid_end: int) -> None:
 
 def read(path: Path, base: str, check_payloads: bool = True) -> tuple[list[Segment], int, str]:
     """The segments that follow the base (by its payload digest), each checked (header, and payload where
-    `check_payloads`; else the file is mapped, not read, and the payloads' CRCs are read_placed()'s to check); the
+    `check_payloads`; else the file is mapped copy-on-write, not read, and the payloads' CRCs are check()'s); the
     end of the valid ones in the file; why the chain stops before the file's end ("" where it does not)."""
     try:
         with path.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
             data: bytes | mmap.mmap = f.read() if check_payloads or not size else \
-                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     except FileNotFoundError:
         return [], 0, ""
     except OSError as exc:
@@ -256,32 +231,36 @@ def read(path: Path, base: str, check_payloads: bool = True) -> tuple[list[Segme
     return out, at, ""
 
 
-def read_segments(path: Path, segments: list[Segment], places: list[list[Place]], into: memoryview,
-                  pool: Executor | None = None) -> None:
-    """Each segment's payload read from the deltas file where its `places` put it in `into`, in chunks on `pool`'s
-    threads (the base's reads can share them) or a pool of its own (one thread's CRC-32 of a 180 MB segment took
-    longer than the rest of a GPU's restore), its CRC checked as it is read, the chunks' CRCs combined: Damaged for
-    the first that fails it; StateRejected where the file cannot be read."""
-    if pool is None:
-        with ThreadPoolExecutor(READ_THREADS) as own:
-            return read_segments(path, segments, places, into, own)
-    chunks = [max(READ_CHUNK, -(-s.size // READ_THREADS)) for s in segments]
+def queue_read(f: BinaryIO, segment: Segment, into: memoryview, pool: Executor) -> list[Future[bytes]]:
+    """A segment's payload read from the open deltas file into `into` (its size) in chunks on `pool`'s threads (one
+    thread's CRC-32 of a 180 MB segment took longer than the rest of a GPU's restore), each chunk's CRC-32 computed
+    as it is read: their futures, for check (settle() them before the file or `into` goes)."""
+    return read_placed_on(pool, into, f.fileno(), segment.at, segment.size, [(0, segment.size, 0)],
+                          _chunk(segment), CRC32)
+
+
+def queue_check(segment: Segment, pool: Executor) -> list[Future[bytes]]:
+    """A mapped segment's payload, its chunks' CRC-32s computed on `pool`'s threads (zlib lets go of the GIL)."""
+    chunk = _chunk(segment)
+    return [pool.submit(lambda part: zlib.crc32(part).to_bytes(4, "big"), segment.payload[at:at + chunk])
+            for at in range(0, segment.size, chunk)]
+
+
+def check(index: int, segment: Segment, crcs: list[Future[bytes]]) -> None:
+    """Damaged(index) where the chunks' CRC-32s (as queue_read or queue_check made them) do not combine to the
+    segment's; StateRejected where the file could not be read."""
+    chunk, crc = _chunk(segment), 0
     try:
-        with path.open("rb") as f:
-            reads = [read_placed_on(pool, into, f.fileno(), s.at, s.size, places[i], chunks[i], CRC32)
-                     for i, s in enumerate(segments)]
-            try:
-                for i, (s, chunk, futures) in enumerate(zip(segments, chunks, reads)):
-                    crc = 0
-                    for k, future in enumerate(futures):
-                        crc = crc32_combine(crc, int.from_bytes(future.result(), "big"), min(chunk, s.size - k * chunk))
-                    if crc != s.crc:
-                        raise Damaged(i)
-            finally:
-                for futures in reads:  # the chain ends at a damaged segment: the later chunks not begun are not read
-                    settle(futures)
+        for k, future in enumerate(crcs):
+            crc = crc32_combine(crc, int.from_bytes(future.result(), "big"), min(chunk, segment.size - k * chunk))
     except OSError as exc:  # gone or cut short since its headers were read
         raise StateRejected(f"cannot read the KV deltas: {exc.strerror or exc}") from exc
+    if crc != segment.crc:
+        raise Damaged(index)
+
+
+def _chunk(segment: Segment) -> int:
+    return max(READ_CHUNK, -(-segment.size // READ_THREADS))
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:

@@ -4,28 +4,27 @@ copying it out for a save, the autosave budget, and the disk cap on all saved st
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import mmap
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from localchat import paths
 from localchat.engine import Engine, llama_version
-from localchat.engine.pinned import read_into
+from localchat.engine.pinned import read_into, settle
 from localchat.fsutil import atomic_write
 from localchat.session import kvdelta, statefile, writes
 from localchat.session.fingerprint import ModelHasher
 from localchat.session.statefile import StateHeader, StateRejected
 
 log = logging.getLogger(__name__)
-POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 META_FORMAT = 1
 DELTA_SUFFIX = ".delta"  # beside a session's kv.state: the segments saved after it (session/kvdelta.py)
 DELTAS_GROW = 2.0  # segments past this many times their base: the next save is whole (a new base)
@@ -213,49 +212,55 @@ class KVDisk:
 
     def load_saved(self, saved: Saved) -> bool:
         """A saved state and its segments into llama.cpp, every byte checked first; False where llama.cpp refuses
-        it, StateRejected where the base is damaged or the segments do not fit it, kvdelta.Damaged where a segment
-        fails its CRC (the chain before it is intact: Saved.before)."""
+        it, StateRejected where the base is damaged, kvdelta.Damaged where a segment fails its CRC (the chain before
+        it is intact: Saved.before)."""
         if not saved.segments:
             return self.load(saved.path, saved.header, saved.offset, saved.header.tokens)
-        base = _mapped(saved.path, saved.offset, saved.header.payload_size)
-        sources = [base, *(s.payload for s in saved.segments)]
+        into = self.engine.staged(saved.size)
         try:
-            pieces = kvdelta.merged([kvdelta.parse(src) for src in sources], [s.cut for s in saved.segments])
-        except (kvdelta.Uncuttable, ValueError) as why:
-            raise StateRejected(f"the KV deltas do not fit their base ({why})") from None
-        size = sum(len(p) for p in pieces)
-        runs, made = kvdelta.placed(pieces, sources)
-        del pieces, sources
-        with self._laid_out(size) as into:
-            for at, piece in made:
-                into[at:at + len(piece)] = piece
-            # the base's and the segments' bytes read straight to their places at once, hashed as they are read, on
-            # one pool of threads (a pool each put twice the cores to work), the base's large chunks queued first
-            with ThreadPoolExecutor(statefile.READ_THREADS) as pool:
-                statefile.read_payload_placed(
-                    saved.path, saved.header, saved.offset, runs[0], into, pool,
-                    beside=lambda: kvdelta.read_segments(path_of_deltas(saved.path), saved.segments, runs[1:], into,
-                                                         pool))
-            return self.engine.load_state(into, saved.tokens)
-
-    @contextmanager
-    def _laid_out(self, size: int) -> Iterator[memoryview]:
-        """A buffer to lay a state out in: the engine's pinned one where it is free, else fresh pages faulted in
-        by the kernel at once (one by one as a copy touched them, they cost more than the copy: 0.45 against
-        0.07 s for 165 MB here; huge pages made the first restore of a process 0.8 s slower)."""
-        into = self.engine.staged(size)
-        if into is not None:
-            try:
-                yield into
-            finally:
+            with ThreadPoolExecutor(statefile.READ_THREADS) as pool, \
+                    closing(self._chain_parts(saved, into, pool)) as parts:
+                return self.engine.load_chain(parts, saved.tokens)
+        finally:
+            if into is not None:
                 self.engine.state_done(into)
-            return
-        with mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | POPULATE) as held:
-            target = memoryview(held)
+
+    def _chain_parts(self, saved: Saved, into: memoryview | None,
+                     pool: ThreadPoolExecutor) -> Generator[tuple[int, memoryview], None, None]:
+        """The base's payload and each segment's, with its cut, as each is checked: read end to end into `into` (the
+        engine's pinned buffer) on `pool`'s threads, the base's chunks queued first, or where there is none, the
+        files mapped and checked in chunks there; llama.cpp loads one while the next is read."""
+        if into is None:
+            base = statefile.read_payload(saved.path, saved.header, saved.offset)  # checked on every core
+            crcs = [kvdelta.queue_check(s, pool) for s in saved.segments]  # checked while llama.cpp loads the base
             try:
-                yield target
+                yield 0, base
+                for i, segment in enumerate(saved.segments):
+                    kvdelta.check(i, segment, crcs[i])
+                    yield segment.cut, segment.payload
             finally:
-                target.release()
+                for futures in crcs:
+                    settle(futures)
+            return
+        base_size, reads = saved.header.payload_size, []
+        try:
+            with saved.path.open("rb") as base_file, path_of_deltas(saved.path).open("rb") as deltas:
+                reads.append(statefile.queue_payload(base_file, saved.header, saved.offset, into[:base_size], pool))
+                ends = list(itertools.accumulate((s.size for s in saved.segments), initial=base_size))
+                reads += [kvdelta.queue_read(deltas, s, into[ends[i]:ends[i + 1]], pool)
+                          for i, s in enumerate(saved.segments)]
+                try:
+                    statefile.check_payload(saved.header, [f.result() for f in reads[0]])
+                    yield 0, into[:base_size]
+                    for i, segment in enumerate(saved.segments):
+                        kvdelta.check(i, segment, reads[i + 1])
+                        yield segment.cut, into[ends[i]:ends[i + 1]]
+                finally:  # the files and `into` outlive the reads under way
+                    for futures in reads:
+                        settle(futures)
+        except OSError as exc:
+            named = Path(exc.filename).name if exc.filename else "the saved KV"
+            raise StateRejected(f"cannot read {named}: {exc.strerror or exc}") from exc
 
     def _estimate_load(self, saved: Saved, copy_bps: float) -> float:
         """Seconds to read, check and hand over a saved state, before any restore was measured: a sample read and
@@ -424,17 +429,6 @@ def read_saved(path: Path, check_segments: bool = False) -> Saved:
     header, offset = statefile.read_header(path)
     segments, end, torn = kvdelta.read(path_of_deltas(path), header.payload_digest, check_segments)
     return Saved(path, header, offset, segments, end, torn)
-
-
-def _mapped(path: Path, offset: int, size: int) -> memoryview:
-    """A state file's payload, mapped read-only (read and checked by load_saved as it lays the state out)."""
-    try:
-        with path.open("rb") as f:
-            if os.fstat(f.fileno()).st_size != offset + size:
-                raise StateRejected("state payload is truncated")
-            return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))[offset:offset + size]
-    except (OSError, ValueError) as exc:
-        raise StateRejected(f"cannot read the state file: {getattr(exc, 'strerror', None) or exc}") from exc
 
 
 def _tally(before: Any, nbytes: int) -> dict[str, Any]:

@@ -22,12 +22,12 @@ import os
 import struct
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from localchat.engine.pinned import Place, digests, read_placed_on, settle
+from localchat.engine.pinned import digests, read_placed_on
 
 MAGIC = b"LCKV"
 VERSION = 2
@@ -215,35 +215,30 @@ def read_payload(path: Path, header: StateHeader, offset: int) -> memoryview:
 def read_payload_into(path: Path, header: StateHeader, offset: int, into: memoryview) -> memoryview:
     """The payload read into `into` (a pinned buffer of its size), after its size and digest are checked:
     read in chunks on a pool of threads, each piece of a chunk hashed as soon as it is read."""
-    read_payload_placed(path, header, offset, [(0, header.payload_size, 0)], into)
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        try:
+            with path.open("rb") as f:
+                check_payload(header, digests(queue_payload(f, header, offset, into, pool)))
+        except OSError as exc:
+            raise StateRejected(f"cannot read the state file: {exc.strerror or exc}") from exc
     return into
 
 
-def read_payload_placed(path: Path, header: StateHeader, offset: int, places: list[Place], into: memoryview,
-                        pool: Executor | None = None, beside: Callable[[], None] | None = None) -> None:
-    """The payload's runs read where `places` puts them in `into` (the rest only hashed), as read_payload_into
-    reads a whole one, on `pool`'s threads where given, else on its own: StateRejected where its size or digest is
-    not the header's. `beside` runs once the payload's chunks are queued: another file's reads queued behind them on
-    the same threads (the largest chunks first, so that no thread is left with a large one at the end)."""
-    if pool is None:
-        with ThreadPoolExecutor(READ_THREADS) as own:
-            return read_payload_placed(path, header, offset, places, into, own, beside)
-    hasher = payload_hasher(header)
-    try:
-        with path.open("rb") as f:
-            if os.fstat(f.fileno()).st_size != offset + header.payload_size:
-                raise StateRejected("state payload is truncated")
-            chunk = header.payload_chunk or header.payload_size or 1
-            reads = read_placed_on(pool, into, f.fileno(), offset, header.payload_size, places, chunk, hasher)
-            try:
-                if beside is not None:
-                    beside()
-            except BaseException:
-                settle(reads)  # the file and `into` outlive the reads under way
-                raise
-            parts = digests(reads)
-    except OSError as exc:
-        raise StateRejected(f"cannot read the state file: {exc.strerror or exc}") from exc
+def queue_payload(f: BinaryIO, header: StateHeader, offset: int, into: memoryview,
+                  pool: Executor) -> list[Future[bytes]]:
+    """The payload of the open state file read into `into` (its size) in the header's chunks on `pool`'s threads
+    (other files' reads can share them), each chunk hashed as it is read: the chunks' future digests, in order, for
+    check_payload (settle() them before the file or `into` goes); StateRejected where the file is not the header's
+    size."""
+    if os.fstat(f.fileno()).st_size != offset + header.payload_size:
+        raise StateRejected("state payload is truncated")
+    size = header.payload_size
+    return read_placed_on(pool, into, f.fileno(), offset, size, [(0, size, 0)], header.payload_chunk or size or 1,
+                          payload_hasher(header))
+
+
+def check_payload(header: StateHeader, parts: list[bytes]) -> None:
+    """StateRejected where the chunks' digests do not make the header's."""
     whole = hashlib.sha256(b"".join(parts)).hexdigest() if header.payload_chunk else (parts[0].hex() if parts else
                                                                                        hashlib.sha256().hexdigest())
     if whole != header.payload_digest:
