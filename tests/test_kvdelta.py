@@ -172,30 +172,34 @@ def test_a_torn_or_damaged_delta_restores_the_save_before_it_and_the_next_save_g
             ["Name a colour.", "Name a fruit.", "Name a bird.", "Name a tree."]
 
 
-def test_a_clean_exit_leaves_one_base_for_the_next_resume(home, tmp_path):
-    """Saves during a chat append segments; the exit writes the KV as one base instead (a base and its segments
-    restore slower than one state), so the next resume reads one state and evaluates only the new message.
+def test_a_clean_exit_keeps_a_grown_chain_and_makes_one_base_of_a_rewound_one(home, tmp_path):
+    """Saves during a chat append segments. A chain that only grew stays as it is at the exit (it restores as fast
+    as one state; writing it again would double the day's writes), and the next resume restores it and evaluates
+    only the new message; a chain whose segments hold cells an /undo replaced is written as one base at the exit.
     Without autosave the exit writes nothing and the segments stay."""
     from localchat.session import statefile
     from tests.conftest import run_cli
 
     env = {"LOCALCHAT_HOME": str(home)}
-    lines = "Name a colour.\n/save\nName a fruit.\n/save\n"
-    for name, flags in (("kept", ["--no-autosave"]), ("rebased", [])):
+    grown = "Name a colour.\n/save\nName a fruit.\n/save\n"
+    for name, flags, lines in (("kept", ["--no-autosave"], grown), ("grown", [], grown),
+                               ("rebased", [], grown + "/undo\nName a bird.\n")):
         args = ["--model", "demo", "--temperature", "0", "--max-tokens", "8", "--session", name, *flags]
         r = run_cli(args, stdin=lines, env=env)
         assert r.returncode == 0, r.stderr
         state = home / "sessions" / name / "kv.state"
         header = statefile.read_header(state)[0]
         segments, _, _ = kvdelta.read(state.with_suffix(".delta"), header.payload_digest)
-        if name == "kept":
-            assert segments  # the second /save appended what the second turn added
+        if name == "rebased":
+            assert not segments and not state.with_suffix(".delta").exists()
             continue
-        assert not segments and not state.with_suffix(".delta").exists()
+        assert segments  # the second /save appended what the second turn added
+        if name == "kept":
+            continue
         stats = tmp_path / "resumed.jsonl"
         r = run_cli([*args, "--stats-json", str(stats)], stdin="Name a bird.\n", env=env)
         (st,) = [json.loads(x) for x in stats.read_text().splitlines()]
-        assert "KV restored from disk" in r.stderr and "saves after its base" not in r.stderr, r.stderr
+        assert "KV restored from disk" in r.stderr and "saves after its base" in r.stderr, r.stderr
         assert st["kv_restored"] and st["recomputed_tokens"] <= st["new_tokens"] + 1, st
 
 

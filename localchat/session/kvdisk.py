@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 META_FORMAT = 1
 DELTA_SUFFIX = ".delta"  # beside a session's kv.state: the segments saved after it (session/kvdelta.py)
 DELTAS_GROW = 2.0  # segments past this many times their base: the next save is whole (a new base)
-MOST_SEGMENTS = 64  # and past this many (each is parsed at a restore)
+MOST_SEGMENTS = 64  # and past this many (each is a load of its own at a restore)
+REPLACED_SHARE = 0.1  # a clean exit writes one base where the segments hold this much more than the KV
 DEFAULT_LOAD_BPS = 400e6  # until a restore on this machine has been measured
 DEFAULT_COPY_BPS = 1e9  # until the first copy out of llama.cpp has been measured
 AUTOSAVE_SHARE = 0.05
@@ -352,19 +353,22 @@ class KVDisk:
         self.written += nbytes
         self.today = (writes.today(), writes.add(nbytes) or self.today[1] + nbytes)
 
-    def chained(self, path: Path) -> bool:
-        """Whether segments follow the session's base on disk, as the last save or restore left it."""
-        return self.chain is not None and self.chain.path == path and self.chain.segments > 0
+    def holds_replaced(self, path: Path) -> bool:
+        """Whether the segments after the session's base on disk, as the last save or restore left them, hold cells
+        the KV no longer has (a rewind or an edit replaced them), as _replaced counts them."""
+        chain = self.chain
+        return chain is not None and chain.path == path and chain.segments > 0 and \
+            _replaced(chain, chain.deltas_end, len(chain.tokens))
 
-    def write_session(self, path: Path, payload: memoryview, tokens: list[int], whole: bool = False) -> StateHeader:
+    def write_session(self, path: Path, payload: memoryview, tokens: list[int], tidy: bool = False) -> StateHeader:
         """A session's save (the writer's thread): what changed since the last save, appended after its state as
-        a segment, where the layout can be cut and the segments stay within DELTAS_GROW of their base; else, or
-        where `whole`, the whole state, a new base (the segments after the old one dropped). The header the save
-        now stands for."""
-        chain = self.chain if not whole and self.chain is not None and self.chain.path == path else None
+        a segment, where the layout can be cut and the segments stay within DELTAS_GROW of their base (and, where
+        `tidy`, hold no cells the KV no longer has, as _replaced counts them); else the whole state, a new base
+        (the segments after the old one dropped). The header the save now stands for."""
+        chain = self.chain if self.chain is not None and self.chain.path == path else None
         if chain is not None:
             try:
-                header = self._append(chain, payload, tokens)
+                header = self._append(chain, payload, tokens, tidy)
             except (kvdelta.Uncuttable, _Outgrown) as why:
                 log.info("the KV is saved whole: %s", why)
             except BaseException:
@@ -378,18 +382,21 @@ class KVDisk:
         self.chain = Chain(path, header, list(tokens), 0, 0)
         return header
 
-    def _append(self, chain: Chain, payload: memoryview, tokens: list[int]) -> StateHeader:
+    def _append(self, chain: Chain, payload: memoryview, tokens: list[int], tidy: bool) -> StateHeader:
         same = next((i for i, (a, b) in enumerate(zip(chain.tokens, tokens)) if a != b),
                     min(len(chain.tokens), len(tokens)))
-        if same == len(tokens) == len(chain.tokens):
-            self.last_written = 0
-            return replace(chain.header, tokens=list(tokens))  # nothing changed since: nothing to write
-        cells = kvdelta.added(payload, same, len(tokens))
-        segment = kvdelta.encode(chain.header.payload_digest, same, tokens[same:], cells)
+        changed = not same == len(tokens) == len(chain.tokens)
+        segment = kvdelta.encode(chain.header.payload_digest, same, tokens[same:],
+                                 kvdelta.added(payload, same, len(tokens))) if changed else b""
         if chain.deltas_end + len(segment) > DELTAS_GROW * chain.header.payload_size or \
-                chain.segments >= MOST_SEGMENTS:
+                chain.segments + changed > MOST_SEGMENTS:
             raise _Outgrown(f"{chain.segments} segments, {chain.deltas_end + len(segment):,} bytes after a "
                             f"{chain.header.payload_size:,}-byte base")
+        if tidy and chain.segments + changed and _replaced(chain, chain.deltas_end + len(segment), len(tokens)):
+            raise _Outgrown("the segments hold cells the KV no longer has")
+        if not changed:
+            self.last_written = 0
+            return replace(chain.header, tokens=list(tokens))  # nothing changed since: nothing to write
         kvdelta.append(path_of_deltas(chain.path), segment, chain.deltas_end)
         self._count(len(segment))
         chain.tokens, chain.segments, chain.deltas_end = list(tokens), chain.segments + 1, \
@@ -416,6 +423,13 @@ class KVDisk:
 
     def prune(self, keep: Path) -> None:
         prune_kv(self.about.max_disk_bytes, keep)
+
+
+def _replaced(chain: Chain, deltas_bytes: int, n_tokens: int) -> bool:
+    """Whether a base and `deltas_bytes` of segments after it hold more than REPLACED_SHARE over what a whole state
+    of `n_tokens` would (its size taken from the base's bytes a token)."""
+    per_token = chain.header.payload_size / max(len(chain.header.tokens), 1)
+    return chain.header.payload_size + deltas_bytes > (1 + REPLACED_SHARE) * per_token * n_tokens
 
 
 def path_of_deltas(state: Path) -> Path:

@@ -341,9 +341,9 @@ class Session:
         self.indexer.update(self.store.name)  # off the turn's path, on a thread of its own
         return True
 
-    def save(self, whole: bool = False) -> float:
-        """Copy the KV out of llama.cpp (this thread); hash and write it in the background (`whole`: as a new
-        base, not a segment after the old one). Returns the copy time."""
+    def save(self, tidy: bool = False) -> float:
+        """Copy the KV out of llama.cpp (this thread); hash and write it in the background (`tidy`: as a new base
+        where the segments would hold cells the KV no longer has). Returns the copy time."""
         if self.store is None:
             return 0.0
         self.flush_events()
@@ -357,7 +357,7 @@ class Session:
         mark = store.transcript_mark()  # the turns' events are all in it
 
         def job() -> None:
-            header = kv.write_session(store.state, payload, tokens, whole)
+            header = kv.write_session(store.state, payload, tokens, tidy)
             before = store.read_meta()
             kept = options.to_json() if options is not None else before.get(OPTIONS)
             meta = kv.meta(store.name, time.time(), turns, header, before)
@@ -438,12 +438,12 @@ class Session:
 
     def close(self) -> None:
         self.flush_events()
-        # on the way out the deferred KV goes to disk, and a chain of segments becomes one base (within the day's
-        # write budget): the next resume reads one state, which restores faster than a base and its segments
+        # on the way out the deferred KV goes to disk (a segment, where it can be), and a chain holding cells the KV
+        # no longer has becomes one base (within the day's write budget); a chain that only grew restores as fast
         store = self.store
-        rebase = store is not None and not self.kv.over_budget and (self.dirty or self.kv.chained(store.state))
-        if self.autosave and (self.dirty or rebase):
-            self.save(whole=rebase)
+        tidy = self.writer.wait(timeout=120) and not self.kv.over_budget  # the chain as the save in flight leaves it
+        if self.autosave and (self.dirty or tidy and store is not None and self.kv.holds_replaced(store.state)):
+            self.save(tidy=tidy)
         if not self.writer.wait(timeout=120):
             self.report("localchat: autosave still running at exit; the previous save is kept")
         if self.indexer is not None:  # a search right after finds the last turn (else the next search indexes it)
