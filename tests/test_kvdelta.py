@@ -210,6 +210,8 @@ def test_a_chain_is_restored_by_llama_cpp_from_the_mapped_files(home, demo_path,
     rows, and V transposed). Each segment is checked in chunks on several threads, its CRC made of theirs: a byte
     flipped in a segment's last chunk is found, the segment named, before llama.cpp is handed it; a deltas file
     removed after the resume looked at it still restores (its mapping holds it)."""
+    import llama_cpp as lc
+
     from localchat import runtime
     from localchat.session.kvdisk import path_of_deltas, read_saved
 
@@ -257,6 +259,7 @@ def test_a_chain_is_restored_by_llama_cpp_from_the_mapped_files(home, demo_path,
         with pytest.raises(kvdelta.Damaged) as found:
             kv.load_saved(read_saved(state))
         assert found.value.index == len(saved.segments) - 1 and [cut for cut, _ in handed] == [0, half]
+        assert engine.n_kv == 0 and lc.llama_memory_seq_pos_max(engine.mem, 0) == -1  # nothing of the chain kept
         with path_of_deltas(state).open("r+b") as f:
             f.seek(last.at + last.size - 10)
             f.write(byte)

@@ -600,26 +600,32 @@ class Engine(VocabText):
         session/kvdelta cuts them), each laid into the KV by llama.cpp as it comes (`parts` may check each part
         as it is asked for): a segment's cells go to the spare sequence, the working one's from the cut on are
         dropped, and the segment's cells join it (a unified KV: its cells are shared, nothing is copied). False
-        where llama.cpp refuses a part or the spare sequence is taken."""
+        where llama.cpp refuses a part or the spare sequence is taken; where `parts` raises, the KV is left empty."""
         spare = self.sequences - 1
         self._clear_kv()
         self.tokens, self.n_kv, self.logits_end = [], 0, -1
         if spare < 1 or lc.llama_memory_seq_pos_max(self.mem, spare) >= 0:
             return False
+        loaded = False
+        try:
+            loaded = self._chain_in(parts, spare) and lc.llama_memory_seq_pos_min(self.mem, SEQ) in (0, -1) and \
+                self._loaded(tokens)
+        finally:
+            if not loaded:  # a part refused or found damaged: no cells of the chain stay
+                lc.llama_memory_seq_rm(self.mem, spare, -1, -1)
+                self._clear_kv()
+        return loaded
+
+    def _chain_in(self, parts: Iterable[tuple[int, memoryview]], spare: int) -> bool:
         for i, (cut, data) in enumerate(parts):
             if i and not lc.llama_memory_seq_rm(self.mem, SEQ, cut, -1):  # a chain's positions are its tokens'
-                break
+                return False
             if not self._set_state(data, SEQ if i == 0 else spare):
-                break
+                return False
             if i:
                 lc.llama_memory_seq_cp(self.mem, spare, SEQ, -1, -1)
                 lc.llama_memory_seq_rm(self.mem, spare, -1, -1)
-        else:
-            if lc.llama_memory_seq_pos_min(self.mem, SEQ) in (0, -1) and self._loaded(tokens):
-                return True
-        lc.llama_memory_seq_rm(self.mem, spare, -1, -1)
-        self._clear_kv()
-        return False
+        return True
 
     def _set_state(self, view: memoryview, seq: int) -> bool:
         """One sequence state into sequence `seq` (llama.cpp drops what it held first); False where refused."""
