@@ -75,6 +75,12 @@ class Runtime:
             log.info("threads %s -> %d/%d (%s)", self.engine.threads, choice.decode, choice.batch, choice.why)
             self.engine.set_threads(choice.decode, choice.batch)
 
+    @property
+    def all_on_gpu(self) -> bool:
+        """Every layer (the output's too) on a GPU or a remote device: llama.cpp's CPU threads have next to nothing
+        to do in a turn."""
+        return self.plan.gpu and self.plan.layers_gpu >= self.plan.layers_total
+
     def rescan_children(self) -> None:
         """Auto threads: this process's children looked for again (between turns: it scans every process)."""
         if self.threads is not None and self.threads.gauge is not None:

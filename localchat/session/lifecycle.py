@@ -171,8 +171,10 @@ class Session:
             request = replace(request, started=time.perf_counter())
         TRACE.stamp("turn_start")
         # other programs may have started or stopped since the last turn: read again unless a reading is fresh (the
-        # terminal UI's idle time reads it; two /proc reads on the turn's path are 0.26 ms on an H100 machine)
-        self.rt.refit_threads(fresh=THREADS_FRESH_S)
+        # terminal UI's idle time reads it; two /proc reads on the turn's path are 0.26 ms on an H100 machine), or
+        # every layer is on a GPU (the CPU threads then have next to nothing to do: the idle time's reading will do)
+        if not self.rt.all_on_gpu:
+            self.rt.refit_threads(fresh=THREADS_FRESH_S)
         TRACE.stamp("threads_refit")
         cache, chat = self.prefix_cache, self.chat
         on_prefix = None
