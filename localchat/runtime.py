@@ -355,7 +355,7 @@ def open_draft(profile: Profile, plan: MemoryPlan, engine: Engine, report: Repor
         raise ProfileError(f"{profile.source}: the draft model {info.name} needs {need / (1 << 30):.2f} GiB of GPU "
                            f"memory beside the plan's {plan.total_gpu_bytes / (1 << 30):.2f} GiB, and "
                            f"{max(room, 0) / (1 << 30):.2f} GiB is left; lower n_ctx or drop draft_model")
-    draft = Engine(replace(engine.config, model_path=str(info.path), type_k="f16", type_v="f16"))
+    draft = Engine(replace(engine.config, model_path=str(info.path), type_k="f16", type_v="f16", sequences=1))
     try:
         check_vocab(engine, draft)
     except ModelError:

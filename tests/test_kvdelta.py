@@ -72,6 +72,9 @@ def test_an_undo_with_nothing_new_is_a_delta_of_no_cells_that_cuts_the_base(demo
         delta = kvdelta.added(memoryview(shorter), len(tokens) - 4, len(tokens) - 4)
         assert len(delta) == 16  # llama.cpp's empty stream: its magic, the sequence, one stream of no cells
         assert joined(kvdelta.merged([kvdelta.parse(base), kvdelta.parse(delta)], [len(tokens) - 4])) == shorter
+        e.clear()  # restored as a resume does: the base, then the empty segment cuts it
+        assert e.load_chain([(0, memoryview(base)), (len(tokens) - 4, memoryview(delta))], tokens[:-4])
+        assert bytes(e.state_bytes()) == shorter and e.n_kv == len(tokens) - 4
     finally:
         e.close()
 

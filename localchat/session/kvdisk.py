@@ -244,13 +244,14 @@ class KVDisk:
                     settle(futures)
             return
         base_size, reads = saved.header.payload_size, []
+        ends = list(itertools.accumulate((s.size for s in saved.segments), initial=base_size))
         try:
             with saved.path.open("rb") as base_file, path_of_deltas(saved.path).open("rb") as deltas:
-                reads.append(statefile.queue_payload(base_file, saved.header, saved.offset, into[:base_size], pool))
-                ends = list(itertools.accumulate((s.size for s in saved.segments), initial=base_size))
-                reads += [kvdelta.queue_read(deltas, s, into[ends[i]:ends[i + 1]], pool)
-                          for i, s in enumerate(saved.segments)]
                 try:
+                    reads.append(statefile.queue_payload(base_file, saved.header, saved.offset, into[:base_size],
+                                                         pool))
+                    for i, segment in enumerate(saved.segments):
+                        reads.append(kvdelta.queue_read(deltas, segment, into[ends[i]:ends[i + 1]], pool))
                     statefile.check_payload(saved.header, [f.result() for f in reads[0]])
                     yield 0, into[:base_size]
                     for i, segment in enumerate(saved.segments):

@@ -28,6 +28,7 @@ from localchat.session.sessiondir import TRANSCRIPT_MARK, SessionDir, list_sessi
 from localchat.trace import TRACE
 
 Report = Callable[[str], None]
+EXIT_WAIT_S = 120.0  # a clean exit waits this long, in all, for the saves to be written
 THREADS_FRESH_S = 1.0  # a load reading this young stands for the next turn's thread count
 TYPICAL_MESSAGE = 64  # tokens: what a compaction in idle time expects the next message to bring
 log = logging.getLogger("localchat.session")
@@ -442,11 +443,12 @@ class Session:
         self.flush_events()
         # on the way out the deferred KV goes to disk (a segment, where it can be), and a chain holding cells the KV
         # no longer has becomes one base (within the day's write budget); a chain that only grew restores as fast
-        store = self.store
-        tidy = self.writer.wait(timeout=120) and not self.kv.over_budget  # the chain as the save in flight leaves it
+        store, deadline = self.store, time.monotonic() + EXIT_WAIT_S
+        # the chain as the save in flight leaves it
+        tidy = self.writer.wait(timeout=EXIT_WAIT_S) and not self.kv.over_budget
         if self.autosave and (self.dirty or tidy and store is not None and self.kv.holds_replaced(store.state)):
             self.save(tidy=tidy)
-        if not self.writer.wait(timeout=120):
+        if not self.writer.wait(timeout=max(deadline - time.monotonic(), 0.0)):
             self.report("localchat: autosave still running at exit; the previous save is kept")
         if self.indexer is not None:  # a search right after finds the last turn (else the next search indexes it)
             self.indexer.wait(10)
