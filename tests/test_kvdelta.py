@@ -17,10 +17,6 @@ from tests.test_images import last_logits
 STORY = "The lighthouse keeper counted the ships every night and wrote their names in a blue book. "
 
 
-def joined(pieces) -> bytes:
-    return b"".join(bytes(p) for p in pieces)
-
-
 @pytest.mark.parametrize("flash_attn", [True, False])
 def test_a_state_is_cut_into_cells_and_laid_out_again_byte_for_byte(demo_path, flash_attn):
     e = make_engine(demo_path, n_ctx=512, flash_attn=flash_attn)
@@ -29,7 +25,7 @@ def test_a_state_is_cut_into_cells_and_laid_out_again_byte_for_byte(demo_path, f
         state = bytes(e.state_bytes())
         cells = kvdelta.parse(state)
         assert cells.v_trans == (0 if flash_attn else 1) and list(cells.pos) == list(range(e.n_kv))
-        assert joined(kvdelta.merged([cells], [])) == state
+        assert kvdelta.laid_out(cells) == state
     finally:
         e.close()
 
@@ -49,12 +45,11 @@ def test_a_base_and_its_deltas_restore_the_live_kv(demo_path, flash_attn):
         delta = kvdelta.added(memoryview(live), len(rewound), len(second))
         added = len(second) - len(rewound)  # the cells from the cut on, not the state again
         assert len(delta) <= len(live) * added / len(second) + 1024, (len(delta), len(live), added)
-        restored = joined(kvdelta.merged([kvdelta.parse(base), kvdelta.parse(delta)], [len(rewound)]))
         probe = second + e.tokenize(" The", False, False)
         e.prefill(probe)
         expected = last_logits(e)
         e.clear()
-        assert e.load_state(restored, second)
+        assert e.load_chain([(0, memoryview(base)), (len(rewound), memoryview(delta))], second)
         e.prefill(probe)  # the probe token only: the rest is the restored KV
         assert np.allclose(last_logits(e), expected, atol=1e-4)
     finally:
@@ -71,7 +66,6 @@ def test_an_undo_with_nothing_new_is_a_delta_of_no_cells_that_cuts_the_base(demo
         shorter = bytes(e.state_bytes())
         delta = kvdelta.added(memoryview(shorter), len(tokens) - 4, len(tokens) - 4)
         assert len(delta) == 16  # llama.cpp's empty stream: its magic, the sequence, one stream of no cells
-        assert joined(kvdelta.merged([kvdelta.parse(base), kvdelta.parse(delta)], [len(tokens) - 4])) == shorter
         e.clear()  # restored as a resume does: the base, then the empty segment cuts it
         assert e.load_chain([(0, memoryview(base)), (len(tokens) - 4, memoryview(delta))], tokens[:-4])
         assert bytes(e.state_bytes()) == shorter and e.n_kv == len(tokens) - 4

@@ -118,36 +118,19 @@ def _parse(buf: memoryview) -> Cells:
     return Cells(bytes(buf[:8]), np.array(meta["pos"]), v_trans, k, v)
 
 
-def merged(sources: list[Cells], cuts: list[int]) -> list[memoryview | bytes]:
-    """The state of the base and its segments (`cuts[i]`: segment i's cut; sources[0] is the base): each source's
-    cells below every later cut, end to end, as pieces of llama.cpp's layout (ValueError where they differ)."""
-    kept = []
-    for i, src in enumerate(sources):
-        limit = min(cuts[i:], default=None)  # cuts[i] is the cut of sources[i + 1]
-        kept.append(src if limit is None else src.select(src.pos < limit))
-    if not any(len(c.pos) for c in kept):
-        return [sources[0].lead, struct.pack("<II", 1, 0)]  # no cells at all: an empty stream
-    kept = [c for c in kept if len(c.pos)]
-    first = kept[0]
-    if any(c.lead != first.lead or c.v_trans != first.v_trans or [x[:2] for x in c.k] != [x[:2] for x in first.k]
-           or [x[:3] for x in c.v] != [x[:3] for x in first.v] for c in kept):
-        raise ValueError("the segments' layers differ from the base's")
-    cells = sum(len(c.pos) for c in kept)
-    meta = np.zeros(cells, _META)
-    meta["pos"], meta["n_seq"] = np.concatenate([c.pos for c in kept]), 1
-    pieces: list[memoryview | bytes] = [first.lead, struct.pack("<II", 1, cells), meta.tobytes(),
-                                        struct.pack("<II", first.v_trans, len(first.k))]
-    for layer, (kind, row, _) in enumerate(first.k):
-        pieces.append(_K_HEAD.pack(kind, row))
-        pieces += [c.k[layer][2].data.cast("B") for c in kept]
-    for layer, (kind, size, channels, _) in enumerate(first.v):
-        if channels:
-            pieces.append(_V_TRANS_HEAD.pack(kind, size, channels))
-            pieces.append(np.concatenate([c.v[layer][3] for c in kept], axis=1).tobytes())
-        else:
-            pieces.append(_K_HEAD.pack(kind, size))
-            pieces += [c.v[layer][3].data.cast("B") for c in kept]
-    return pieces
+def laid_out(cells: Cells) -> bytes:
+    """Cells as llama.cpp's layout of one sequence's state (an empty stream where there are none)."""
+    if not len(cells.pos):
+        return cells.lead + struct.pack("<II", 1, 0)
+    meta = np.zeros(len(cells.pos), _META)
+    meta["pos"], meta["n_seq"] = cells.pos, 1
+    pieces = [cells.lead, struct.pack("<II", 1, len(cells.pos)), meta.tobytes(),
+              struct.pack("<II", cells.v_trans, len(cells.k))]
+    for kind, row, rows in cells.k:
+        pieces += [_K_HEAD.pack(kind, row), rows.tobytes()]
+    for kind, size, channels, data in cells.v:
+        pieces += [_V_TRANS_HEAD.pack(kind, size, channels) if channels else _K_HEAD.pack(kind, size), data.tobytes()]
+    return b"".join(pieces)
 
 
 def added(payload: memoryview, cut: int, n_tokens: int) -> bytes:
@@ -156,7 +139,7 @@ def added(payload: memoryview, cut: int, n_tokens: int) -> bytes:
     cells = parse(payload)
     if len(cells.pos) != n_tokens or not np.array_equal(np.sort(cells.pos), np.arange(n_tokens)):
         raise Uncuttable("the cells' positions are not the tokens' (images, or a shifted window)")
-    return b"".join(bytes(p) for p in merged([cells.select(cells.pos >= cut)], []))
+    return laid_out(cells.select(cells.pos >= cut))
 
 
 # ---------------------------------------------------------------- segments on disk
