@@ -31,7 +31,7 @@ import llama_cpp as lc  # noqa: E402
 from localchat import runtime  # noqa: E402
 from localchat.bench import decode  # noqa: E402
 from localchat.bench.peer import run_llama_bench  # noqa: E402
-from localchat.engine import Engine, SamplingConfig  # noqa: E402
+from localchat.engine import Engine, SamplingConfig, Speculation  # noqa: E402
 from localchat.engine.backend import SEQ  # noqa: E402
 from localchat.engine.sampling import logits  # noqa: E402
 from localchat.engine.types import Generation  # noqa: E402
@@ -75,7 +75,36 @@ def _generate(e: Engine, n: int, way: str) -> float:
 
 
 WAYS = ("raw", "raw_draw", "raw_graph", "raw_ours", "generate", "generate_host_draw", "generate_chat_engine",
-        "chat_turn", "llama_bench")
+        "chat_turn", "chat_off", "chat_auto", "chat_auto_mute", "llama_bench")
+DRAFT_S: dict[str, list[float]] = {"chat_auto": [], "chat_auto_mute": []}  # spec.draft's time per token
+
+
+def _chat_turn(rt: runtime.Runtime, way: str, n: int) -> float:
+    """bench --decode's own measures: chat_turn the steady rate after the first step (speculation off); the
+    others the wall rate as bench --decode compares its modes, speculation off, auto, and auto with its draft
+    muted (no lookup, no learning: what the loop's speculation branches cost alone)."""
+    if way in ("chat_turn", "chat_off"):
+        _, st = decode._fresh_turn(rt, "off", decode.WORKLOADS["not repetitive"], n)
+        return float((st.decode.wall_decode_tps_after_first if way == "chat_turn" else st.decode.wall_decode_tps)
+                     or 0.0)
+    real = Speculation.draft
+    spent = [0.0, 0]
+
+    def timed(self: Speculation, tokens: list[int], limit: int) -> list[int]:
+        t0 = time.perf_counter()
+        out = [] if way == "chat_auto_mute" else real(self, tokens, limit)
+        spent[0] += time.perf_counter() - t0
+        spent[1] += 1
+        return out
+    Speculation.draft = timed  # type: ignore[method-assign]
+    try:
+        _, st = decode._fresh_turn(rt, "auto", decode.WORKLOADS["not repetitive"], n)
+    finally:
+        Speculation.draft = real  # type: ignore[method-assign]
+    DRAFT_S[way].append(spent[0] / max(1, spent[1]))
+    if st.drafts.draft_tokens:
+        DRAFT_S.setdefault("drafted", []).append(float(st.drafts.draft_tokens))
+    return float(st.decode.wall_decode_tps or 0.0)
 
 
 def _round(e: Engine, rt: runtime.Runtime, prompt: list[int], n: int, turn: int, bench: str | None) -> dict[str, float]:
@@ -85,9 +114,8 @@ def _round(e: Engine, rt: runtime.Runtime, prompt: list[int], n: int, turn: int,
         if way == "llama_bench":
             out[way] = run_llama_bench(bench or "", e.config, len(prompt), n, repeat=1)
             continue
-        if way == "chat_turn":  # bench --decode's own measure: the steady rate after the first step
-            _, st = decode._fresh_turn(rt, "off", decode.WORKLOADS["not repetitive"], n)
-            out[way] = float(st.decode.wall_decode_tps_after_first)
+        if way.startswith("chat_"):
+            out[way] = _chat_turn(rt, way, n)
             continue
         if way == "generate_chat_engine":
             rt.engine.clear()
@@ -123,10 +151,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--llama-bench", help="its binary: timed in the same rounds")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads for every way (0: the profile's)")
     a = ap.parse_args()
     profile = profiles.with_overrides(profiles.load(a.profile), model=a.model)
     with runtime.open_runtime(profile, lambda _: None) as rt:
         cfg = dataclasses.replace(rt.engine.config, pinned_bytes=0)
+        if a.threads:  # llama-bench takes them from the config; the chat's engine from set_threads
+            cfg = dataclasses.replace(cfg, n_threads=a.threads, n_threads_batch=a.threads)
+            rt.engine.set_threads(a.threads, a.threads)
         e = Engine(cfg)
         prompt = [(i * 7919) % 40000 + 100 for i in range(a.depth)]
         rounds = [_round(e, rt, prompt, a.tokens, turn, a.llama_bench) for turn in range(a.repeat)]
@@ -138,6 +170,8 @@ def main() -> None:
                       "median_tps": {k: round(statistics.median(r[k] for r in rounds), 1) for k in rounds[0]},
                       "median_ratio": ratios, "graph_draw": e.graph_draw is not None,
                       "same_reply_graph_and_host_draw": REPLIES.get("generate") == REPLIES.get("generate_host_draw"),
+                      "draft_us_per_token": {k: round(statistics.median(v) * 1e6, 2) for k, v in DRAFT_S.items() if v
+                                             and k != "drafted"}, "auto_drafted": DRAFT_S.get("drafted", []),
                       "rounds": rounds}))
 
 

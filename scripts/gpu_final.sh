@@ -35,7 +35,7 @@
 #   bash scripts/gpu_final.sh qwen OUTDIR      # the real built-in model, once carried: the seed bench (f16), bench
 #                                               # --typing against llama-server, --decode against llama-bench, then
 #                                               # --decode --sampling default against llama-server, turn_paths.py
-#                                               # (STEPS picks: seed typing decode sampled paths)
+#                                               # (STEPS picks: seed typing decode sampled paths gap)
 #   bash scripts/gpu_final.sh split OUTDIR     # two GPUs (nvidia-h200-x2): the 8B shape on one GPU, split by layer
 #                                               # and by row: plan per device, tokens, speeds, a session moved
 # A phase finds the build and the models of an earlier one on the same machine, else makes them.
@@ -253,6 +253,11 @@ PY
                  --rounds 5 --out "$OUT/turn-paths-qwen.json" 2> "$OUT/turn-paths-qwen.err" | tr -d ' \n'; echo;;
         decode) timeout 150 python3 -m localchat bench --decode --profile h200 --model $QWEN --repeat 5 \
                   --llama-bench $B/llama-bench --json "$OUT/decode-qwen.json" 2> "$OUT/decode-qwen.err" | tail -9;;
+        gap) for th in ${GAP_THREADS:-0}; do  # decode's way to llama-bench's speed, speculation's cost alone
+               timeout 200 python3 scripts/decode_gap.py $QWEN --profile h200 --depth 46 --tokens 256 --repeat ${GAP_R:-9} \
+                 --threads $th --llama-bench $B/llama-bench > "$OUT/decode-gap-qwen-t$th.json" 2> "$OUT/decode-gap-qwen.err"
+               python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['median_ratio'], d['draft_us_per_token'])" \
+                 "$OUT/decode-gap-qwen-t$th.json"; done;;
         sampled) timeout 150 python3 -m localchat bench --decode --sampling default --profile h200 --model $QWEN \
                    --repeat 5 --peer-server $B/llama-server --json "$OUT/sampled-qwen.json" 2> "$OUT/sampled-qwen.err" \
                    | tail -6;;
