@@ -388,3 +388,47 @@ def test_the_message_is_on_disk_before_it_is_evaluated_and_durable_when_its_turn
     finally:
         ctl.close()
         rt.close()
+
+
+def test_where_llama_cpp_queues_the_batch_the_message_is_written_while_it_computes_and_kept_if_none_is(home, demo_path,
+                                                                                                      monkeypatch):
+    """On the real demo model, its engine taken for one whose every layer is on a GPU (llama_decode returns with the
+    batch queued): the message is written once the first batch is handed over, not before (the GPU is not kept
+    waiting for the disk), and is on disk before the prefill reports progress or the reply's first text; once.
+    A turn cancelled before anything is evaluated keeps its message all the same."""
+    from localchat import runtime
+    from localchat.chat.request import TurnSink
+    from localchat.session.lifecycle import Session
+    from localchat.session.sessiondir import SessionDir
+    rt = runtime.open_runtime(runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 4, "n_ctx": 1024,
+                                                           "model": str(demo_path)}), lambda t: None)
+    rt.engine.queues = True
+    store = SessionDir("queued")
+    store.lock()
+    ctl = Session(rt, store, lambda t: None, autosave=False)
+    sent = ["Remember the word heliotrope."]
+    seen: list[tuple[str, bool]] = []
+
+    def on_disk() -> bool:
+        return store.transcript.exists() and json.dumps(sent[0]) in store.transcript.read_text()
+    real_decode = rt.engine._decode
+
+    def decode(*args, **kw):
+        seen.append(("batch", on_disk()))
+        return real_decode(*args, **kw)
+    monkeypatch.setattr(rt.engine, "_decode", decode)
+    try:
+        ctl.turn(sent[0], TurnSink(progress=lambda done, total: seen.append(("progress", on_disk())),
+                                   text=lambda piece: seen.append(("text", on_disk()))))
+        assert seen[0] == ("batch", False) and ("progress", True) in seen and ("progress", False) not in seen
+        assert ("text", True) in seen and ("text", False) not in seen
+        ctl.after_turn(rt.chat.turn_stats[-1])
+        sent[0] = "Remember the word marigold."
+        st = ctl.turn(sent[0], TurnSink(cancelled=lambda: True))
+        assert st.cut and on_disk()
+        ctl.after_turn(st)
+        contents = [m.content for m in store.conversation().messages]
+        assert contents.count("Remember the word heliotrope.") == 1 and contents.count(sent[0]) == 1
+    finally:
+        ctl.close()
+        rt.close()

@@ -179,9 +179,9 @@ class Chat:
         self.prepare()
         laid = self._lay_out(request.text, st, inputs)
         TRACE.stamp("laid_out")
-        if sink.message is not None:
-            sink.message()
-        TRACE.stamp("message_written")
+        written = _Once(sink.message)
+        if not e.queues:  # llama.cpp evaluates a CPU's batch within the call: the message is on disk first
+            written()
         prompt = self.conv.window_tokens()
         n_kv_before = e.n_kv
         e.reset_perf()
@@ -190,7 +190,10 @@ class Chat:
         try:
             TRACE.stamp("prefill_start")
             e.draw_with(self.tooling.first_sampler or self._sampler)  # the prompt's last logits made for the reply
-            pre = self.prefill(prompt, sink.progress, sink.cancelled, sink.prefix, laid.stops)
+            try:  # on a GPU the message is written while the first batch computes
+                pre = self.prefill(prompt, sink.progress, sink.cancelled, sink.prefix, laid.stops, written)
+            finally:
+                written()  # nothing evaluated, or the prefill failed: the message is kept all the same
             TRACE.stamp("prefill_end")
         except Cancelled:
             self.record(self.conv.add_reply("", [], cut=True))
@@ -300,14 +303,16 @@ class Chat:
         return f"template re-render: prompt differs from the KV at token {st.first_diff}"
 
     def prefill(self, prompt: list[int], progress: Progress | None, cancelled: Callable[[], bool] | None,
-                on_prefix: PrefixHook | None, stops: list[int]) -> PrefillResult:
+                on_prefix: PrefixHook | None, stops: list[int], queued: Callable[[], None] | None = None
+                ) -> PrefillResult:
         """Prefill, stopping where the system prefix and attached documents end (llama.cpp's results vary in
-        the last bits with the batches: stores or not, the same batches), for `on_prefix` to keep their KV."""
+        the last bits with the batches: stores or not, the same batches), for `on_prefix` to keep their KV;
+        `queued` as Engine.prefill calls it (once, with the first batch of any part)."""
         e = self.engine
         stops = [n for n in stops if n < len(prompt) and e.common_prefix(prompt[:n]) < n]
         parts: list[PrefillResult] = []
         for n in [*stops, len(prompt)]:
-            parts.append(e.prefill(prompt[:n], progress=progress, cancelled=cancelled))
+            parts.append(e.prefill(prompt[:n], progress=progress, cancelled=cancelled, queued=queued))
             evaluated = sum(p.recomputed for p in parts)
             if n < len(prompt) and on_prefix is not None:
                 on_prefix(prompt[:n], sum(p.seconds for p in parts) * n / max(evaluated, 1))
@@ -412,6 +417,19 @@ class Chat:
         self.ahead.invalidate()
         self._system_cause = cause
         self.events.append(transcript.system(self.conv))
+
+
+class _Once:
+    """The sink's message write, called at most once whoever asks first (the prefill, or the turn after it)."""
+
+    def __init__(self, write: Callable[[], None] | None):
+        self._write = write
+
+    def __call__(self) -> None:
+        write, self._write = self._write, None
+        if write is not None:
+            write()
+            TRACE.stamp("message_written")
 
 
 def _count_compaction(st: TurnStats, done: compaction.Compacted) -> None:

@@ -73,6 +73,9 @@ class Engine(VocabText):
         # a GPU computes after llama_decode returns: the next token's evaluation can start before the text
         # is handed out; on the CPU llama_decode returns when it is done, so the text goes first
         self.overlaps = config.n_gpu_layers != 0 and bool(lc.llama_supports_gpu_offload())
+        # every layer and the output on a GPU: llama_decode returns with the whole batch queued (with layers on the
+        # CPU it returns once their part is computed)
+        self.queues = self.overlaps and not 0 <= config.n_gpu_layers <= lc.llama_model_n_layer(self.model)
         self.step_cost = StepCost(gpu=self.overlaps)
         # a greedy reply's draw in llama.cpp's graph where a GPU computes it (tests turn it on for the CPU)
         self.graph_draw: GraphDraw | None = GraphDraw(self.ctx) if self.overlaps else None
@@ -329,10 +332,13 @@ class Engine(VocabText):
         return self.run_start(tokens, end)
 
     def prefill(self, prompt: list[int], progress: Callable[[int, int], None] | None = None,
-                cancelled: Callable[[], bool] | None = None) -> PrefillResult:
+                cancelled: Callable[[], bool] | None = None,
+                queued: Callable[[], None] | None = None) -> PrefillResult:
         """Make the KV hold `prompt`, evaluating only what it lacks; logits ready for the last token. Its seconds
         are the work's, done: a GPU's llama_decode returns once the work is queued (the restore chooser took a
-        prefill speed 3x too fast from that on the H100), and llama.cpp books its counters here."""
+        prefill speed 3x too fast from that on the H100), and llama.cpp books its counters here. `queued` is
+        called once the first batch is handed to llama.cpp (where it `queues`, the host's work in it is done while
+        the GPU computes); not where nothing is evaluated."""
         t0 = time.perf_counter()
         if len(prompt) > self.n_ctx:
             raise ModelError(f"the prompt ({len(prompt)} tokens) is larger than the context ({self.n_ctx})")
@@ -357,6 +363,9 @@ class Engine(VocabText):
             pos += len(chunk)
             self.tokens.extend(chunk)
             self.n_kv = pos
+            if queued is not None:
+                queued, call = None, queued
+                call()
             if progress:
                 progress(pos - keep, len(prompt) - keep)
         self.synchronize()
