@@ -364,7 +364,7 @@ class Engine(VocabText):
             self.tokens.extend(chunk)
             self.n_kv = pos
             if queued is not None:
-                queued, call = None, queued
+                call, queued = queued, None
                 call()
             if progress:
                 progress(pos - keep, len(prompt) - keep)
