@@ -163,6 +163,8 @@ def test_the_ngram_index_drafts_what_followed_last_time():
     history = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
     assert spec.draft(history, 8) == [4, 5, 9, 9, 1, 2, 3]
     history += [4, 7, 1, 2, 3]  # the latest continuation of 1 2 3 is now 4 7
+    assert spec.draft(history, 2) == [4, 5]  # what the newest tokens teach is learnt once their step is under way
+    spec.learn(history)
     assert spec.draft(history, 2) == [4, 7]
     assert spec.draft([8, 8, 8, 6], 4) == []  # a new list is indexed afresh: no 8 8 6 seen before
     assert len(spec.draft(list(range(1, 41)) * 2, 64)) == DRAFT_MAX  # a batch past 8 switches CUDA kernels
@@ -200,6 +202,7 @@ def _decode_a_quote(spec: Speculation, passage: list[int]) -> int | None:
             first = pos if first is None else first
             spec.record_draft(kept + 1, len(draft))
         tokens += reply[pos:pos + kept + 1]
+        spec.learn(tokens)  # as the engine does once the step is under way
     return first
 
 
@@ -218,12 +221,14 @@ def test_auto_learns_from_the_drafts_it_does_not_make():
     assert cpu.draft(reply, 16) == []  # 5 tokens of agreement: not sure enough to pay here
     prior = cpu.acceptance_of(4)
     reply.append(5)  # the reply parts from the passage where the draft was not made
-    cpu.draft(reply, 16)
+    cpu.learn(reply)
     assert cpu.acceptance_of(4) < prior and cpu.drafted == 0
     missed = cpu.acceptance_of(4)
     other = [*passage, 7, *passage[:5]]
     cpu.draft(other, 16)
-    cpu.draft([*other, 5], 16)  # a new reply (its prefill makes a new list): the draft not made is not counted
+    parted = [*other, 5]  # a new reply (its prefill makes a new list): the draft not made is not counted
+    cpu.draft(parted, 16)
+    cpu.learn(parted)
     assert cpu.acceptance_of(4) == missed
 
 

@@ -446,9 +446,10 @@ class Engine(VocabText):
                 # a step runs from its token being known to the next one's: a GPU decodes after llama_decode
                 # returns, so the wait for a one-token step's own decode falls in that step, not the next
                 top = time.perf_counter()
+                ended = None  # the step that ends here, counted once the next one is under way
                 if spec and step and not ahead:  # a step ends when its tokens are handed out, UI included
                     if step[0] > gen.first_token_at:  # not the first: after a prefill llama.cpp builds its graph
-                        spec.record_step(top - step[0], step[1], step[2])
+                        ended = step
                     step = None
                 evaluated = bool(ahead)  # a kept draft token; the last one drawn is pending like any
                 _stamp(gen, i, top)
@@ -463,6 +464,8 @@ class Engine(VocabText):
                     # the next evaluation starts before the text is handed out: a GPU computes while the UI draws
                     ahead, step = self._step(tok, draw, spec, min(room, max_tokens - 2 - i), top)
                     started = True
+                if spec and ended:
+                    spec.record_step(top - ended[0], ended[1], ended[2])
                 text = decoder.decode(self.piece(tok))  # after the evaluation's start: a GPU is not kept waiting
                 if text:
                     yield text
@@ -555,9 +558,12 @@ class Engine(VocabText):
         draft = spec.draft(self.tokens, room) if spec else []
         if spec and draft:
             ahead = verify(self, draw, tok, draft, spec)
+            spec.learn(self.tokens)
             return ahead, (top, len(ahead), len(draft))
         self._decode([tok], self.n_kv, want_logits=True)
         self.n_kv += 1
+        if spec:
+            spec.learn(self.tokens)
         return [], (top, 1, 0)
 
     # ------------------------------------------------------------------ counters and state

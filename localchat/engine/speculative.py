@@ -94,19 +94,16 @@ class Speculation:
                 return start, agree
         return None
 
-    def match(self, tokens: list[int]) -> tuple[int, int] | None:
-        """Where the latest tokens were last seen, as `_lookup`, the index brought up to date first."""
-        self._sync(tokens)
-        return self._lookup(tokens)
-
     def draft(self, tokens: list[int], limit: int) -> list[int]:
         """What followed the last earlier occurrence of the context's latest tokens, or else what the
-        draft model writes, as long as pays (at most `limit`)."""
+        draft model writes, as long as pays (at most `limit`). What the newest token teaches is learnt once
+        its step is under way (`learn`): a match that only it would make is found a token later."""
         self._model_s = 0.0
         if limit < 1 or self.mode == "off":
             return []
-        match = self.match(tokens)
-        self._settle(tokens)
+        if tokens is not self._source or len(tokens) < self._indexed:  # a new reply: its context indexed first
+            self._sync(tokens)
+        match = self._lookup(tokens)
         if match is not None:
             start, agree = match
             length, gain = self._plan(agree)
@@ -128,6 +125,15 @@ class Speculation:
         self._model_s = time.perf_counter() - t0
         self.model_drafted += len(proposed)
         return proposed
+
+    def learn(self, tokens: list[int]) -> None:
+        """The newest tokens' n-grams indexed and the lookup draft not made counted: done after the step's
+        evaluation is started (a GPU computes meanwhile; with speculation auto and nothing drafted, this was the
+        whole of its cost on a one-token step's way)."""
+        if self.mode == "off":
+            return
+        self._sync(tokens)
+        self._settle(tokens)
 
     def _settle(self, tokens: list[int]) -> None:
         """Count the tokens of the lookup draft that was not made as if it had been, each as soon as the
