@@ -963,3 +963,53 @@ def test_a_search_that_finds_nothing_says_so_and_what_a_wider_search_finds(tmp_p
     assert search("receive") == "no matches; lines with words spelt alike (a misspelling either way):\n" \
                                 "notes.md:2: Remember to recieve the parcel."
     assert search("zebra") == "no matches"
+
+
+def test_where_llama_cpp_queues_the_batch_a_steps_results_are_written_while_it_computes(home, tools_model, tmp_path):
+    """On the real tools model, its engine taken for one whose every layer is on a GPU (llama_decode returns with
+    the batch queued): a tool step's results are written to the transcript once the step's first batch is handed
+    over, not before (the GPU is not kept waiting for the disk), and are on disk before the step's reply."""
+    from localchat import runtime
+    from localchat.bench.idle import forced_reply as forced
+    from localchat.session.lifecycle import Session
+    from localchat.session.sessiondir import SessionDir
+    from localchat.ui.reports import Reports
+    rt = runtime.open_runtime(runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 24, "n_ctx": 2048,
+                                                           "model": str(tools_model)}), lambda t: None)
+    rt.engine.queues = True
+    store = SessionDir("queued-step")
+    store.lock()
+    session = Session(rt, store, lambda t: None, autosave=False)
+    approved = [False]
+
+    def approve(request) -> Decision:
+        approved[0] = True
+        return Decision("once")
+    box = Toolbox(Root(tmp_path), approve, offered=("run_command",), report=Reports())
+    session.chat.tooling.enable(box, 10, "demo")
+    engine, call = rt.engine, ToolCall("run_command", {"command": "printf 'flour, water and salt'"}, "c1")
+    eog = next(t for t in range(64) if engine.is_eog(t))
+    replies = [session.chat.tooling.format.call_text([call]), "Flour, water and salt."]
+    seen: list[tuple[str, bool]] = []
+
+    def on_disk() -> bool:
+        return store.transcript.exists() and "flour, water and salt" in store.transcript.read_text()
+    real_decode = engine._decode
+
+    def decode(*args, **kw):
+        if approved[0]:
+            seen.append(("batch", on_disk()))
+        return real_decode(*args, **kw)
+    engine._decode = decode
+    try:
+        with forced(engine, *(engine.tokenize(t, special=True) + [eog] for t in replies)):
+            st = session.turn("What is bread made of?", TurnSink(text=lambda piece: seen.append(("text", on_disk()))))
+        assert st.tools.tool_calls == 1 and seen[0] == ("batch", False) and ("batch", True) in seen
+        assert [on for kind, on in seen if kind == "text"][-1] and ("text", False) not in seen[seen.index(
+            ("batch", True)):]
+        session.after_turn(st)
+        results = [m for m in store.conversation().messages if m.role == "tool"]
+        assert len(results) == 1 and "flour, water and salt" in results[0].content
+    finally:
+        session.close()
+        rt.close()

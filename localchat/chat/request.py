@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from localchat.trace import TRACE
+
 TextSink = Callable[[str], None]
 Progress = Callable[[int, int], None]
 PrefixHook = Callable[[list[int], float], None]  # (the prefix's tokens, seconds its prefill took)
@@ -37,8 +39,8 @@ class TurnSink:
     """Where a turn reports as it goes; every part optional. `text`: the answer as it streams; `thought`: a
     reasoning model's thoughts; `progress`: (done, total) of a long prefill; `cancelled`: asked between
     batches and tokens (Ctrl-C); `prefix`: the KV holds exactly the system prefix or the documents now (the
-    prefix store keeps it); `message`: the user's message (or a step's results) is recorded, nothing
-    evaluated yet (the session writes it to disk)."""
+    prefix store keeps it); `message`: the user's message (or a step's results) is recorded, nothing evaluated
+    yet or, where every layer is on a GPU, the first batch just queued (the session writes it to disk)."""
 
     text: TextSink | None = None
     thought: TextSink | None = None
@@ -49,3 +51,18 @@ class TurnSink:
 
 
 QUIET = TurnSink()
+
+
+class MessageWrite:
+    """A sink's `message`, called at most once by whoever asks first: the turn before its prefill on a CPU (which
+    evaluates within the call), the prefill once its first batch is queued where every layer is on a GPU, or the
+    turn after the prefill where nothing was evaluated or it failed."""
+
+    def __init__(self, write: Callable[[], None] | None):
+        self._write = write
+
+    def __call__(self) -> None:
+        write, self._write = self._write, None
+        if write is not None:
+            write()
+            TRACE.stamp("message_written")

@@ -13,7 +13,7 @@ from localchat.chat.ahead import Ahead
 from localchat.chat.conversation import Conversation, Message
 from localchat.chat.delta import Deltas
 from localchat.chat.documents import Attachments
-from localchat.chat.request import NO_INPUTS, QUIET, PrefixHook, Progress, Request, TurnInputs, TurnSink
+from localchat.chat.request import NO_INPUTS, QUIET, MessageWrite, PrefixHook, Progress, Request, TurnInputs, TurnSink
 from localchat.chat.stats import TurnStats
 from localchat.chat.toolstep import Tooling
 from localchat.chatformat import reasoning
@@ -179,7 +179,7 @@ class Chat:
         self.prepare()
         laid = self._lay_out(request.text, st, inputs)
         TRACE.stamp("laid_out")
-        written = _Once(sink.message)
+        written = MessageWrite(sink.message)
         if not e.queues:  # llama.cpp evaluates a CPU's batch within the call: the message is on disk first
             written()
         prompt = self.conv.window_tokens()
@@ -417,19 +417,6 @@ class Chat:
         self.ahead.invalidate()
         self._system_cause = cause
         self.events.append(transcript.system(self.conv))
-
-
-class _Once:
-    """The sink's message write, called at most once whoever asks first (the prefill, or the turn after it)."""
-
-    def __init__(self, write: Callable[[], None] | None):
-        self._write = write
-
-    def __call__(self) -> None:
-        write, self._write = self._write, None
-        if write is not None:
-            write()
-            TRACE.stamp("message_written")
 
 
 def _count_compaction(st: TurnStats, done: compaction.Compacted) -> None:
