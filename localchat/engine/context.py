@@ -70,12 +70,7 @@ class Engine(VocabText):
         self._pads = (config.n_gpu_layers == 0 and config.flash_attn and not self.n_swa
                       and not lc.llama_model_is_recurrent(self.model) and not lc.llama_model_is_hybrid(self.model))
         self.padded = 0  # padding tokens evaluated since reset_perf
-        # a GPU computes after llama_decode returns: the next token's evaluation can start before the text
-        # is handed out; on the CPU llama_decode returns when it is done, so the text goes first
-        self.overlaps = config.n_gpu_layers != 0 and bool(lc.llama_supports_gpu_offload())
-        # every layer and the output on a GPU: llama_decode returns with the whole batch queued (with layers on the
-        # CPU it returns once their part is computed)
-        self.queues = self.overlaps and not 0 <= config.n_gpu_layers <= lc.llama_model_n_layer(self.model)
+        self.overlaps, self.queues = _offloaded(config, self.model)
         self.step_cost = StepCost(gpu=self.overlaps)
         # a greedy reply's draw in llama.cpp's graph where a GPU computes it (tests turn it on for the CPU)
         self.graph_draw: GraphDraw | None = GraphDraw(self.ctx) if self.overlaps else None
@@ -457,6 +452,7 @@ class Engine(VocabText):
                 gen.tokens.append(tok)
                 if self.is_eog(tok):
                     gen.stop_reason = "eog"
+                    _book(spec, ended, top)  # the step that drew it
                     return
                 room = self.n_ctx - self.n_kv - 2
                 steps = not (evaluated or inject or i == max_tokens - 1 or room < 0)
@@ -464,8 +460,7 @@ class Engine(VocabText):
                     # the next evaluation starts before the text is handed out: a GPU computes while the UI draws
                     ahead, step = self._step(tok, draw, spec, min(room, max_tokens - 2 - i), top)
                     started = True
-                if spec and ended:
-                    spec.record_step(top - ended[0], ended[1], ended[2])
+                _book(spec, ended, top)
                 text = decoder.decode(self.piece(tok))  # after the evaluation's start: a GPU is not kept waiting
                 if text:
                     yield text
@@ -700,6 +695,21 @@ def _parks(model: object) -> bool:
     """Whether a sequence parks whole in this model's KV (a sliding window's or a recurrent state's would need a
     share of their own each)."""
     return not (lc.llama_model_n_swa(model) or lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model))
+
+
+def _book(spec: Speculation | None, step: tuple[float, int, int] | None, end: float) -> None:
+    """A step's cost (from its start to `end`, the tokens it handed out, its draft's length) told to `spec`."""
+    if spec and step:
+        spec.record_step(end - step[0], step[1], step[2])
+
+
+def _offloaded(config: EngineConfig, model: object) -> tuple[bool, bool]:
+    """(overlaps, queues). A GPU computes after llama_decode returns: the next token's evaluation can start before
+    the text is handed out (on the CPU llama_decode returns when it is done, so the text goes first). Where every
+    layer and the output are on it, the call returns with the whole batch queued (with layers on the CPU, once their
+    part is computed)."""
+    overlaps = config.n_gpu_layers != 0 and bool(lc.llama_supports_gpu_offload())
+    return overlaps, overlaps and not 0 <= config.n_gpu_layers <= lc.llama_model_n_layer(model)
 
 
 def _stamp(gen: Generation, i: int, at: float) -> None:
