@@ -406,6 +406,13 @@ def test_where_llama_cpp_queues_the_batch_the_message_is_written_while_it_comput
     store = SessionDir("queued")
     store.lock()
     ctl = Session(rt, store, lambda t: None, autosave=False)
+    writes = [0]
+    real_write = ctl._write_message
+
+    def write() -> None:
+        writes[0] += 1
+        real_write()
+    monkeypatch.setattr(ctl, "_write_message", write)
     sent = ["Remember the word heliotrope."]
     seen: list[tuple[str, bool]] = []
 
@@ -421,11 +428,11 @@ def test_where_llama_cpp_queues_the_batch_the_message_is_written_while_it_comput
         ctl.turn(sent[0], TurnSink(progress=lambda done, total: seen.append(("progress", on_disk())),
                                    text=lambda piece: seen.append(("text", on_disk()))))
         assert seen[0] == ("batch", False) and ("progress", True) in seen and ("progress", False) not in seen
-        assert ("text", True) in seen and ("text", False) not in seen
+        assert ("text", True) in seen and ("text", False) not in seen and writes[0] == 1
         ctl.after_turn(rt.chat.turn_stats[-1])
         sent[0] = "Remember the word marigold."
         st = ctl.turn(sent[0], TurnSink(cancelled=lambda: True))
-        assert st.cut and on_disk()
+        assert st.cut and on_disk() and writes[0] == 2
         ctl.after_turn(st)
         contents = [m.content for m in store.conversation().messages]
         assert contents.count("Remember the word heliotrope.") == 1 and contents.count(sent[0]) == 1

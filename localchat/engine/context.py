@@ -441,10 +441,9 @@ class Engine(VocabText):
                 # a step runs from its token being known to the next one's: a GPU decodes after llama_decode
                 # returns, so the wait for a one-token step's own decode falls in that step, not the next
                 top = time.perf_counter()
-                ended = None  # the step that ends here, counted once the next one is under way
                 if spec and step and not ahead:  # a step ends when its tokens are handed out, UI included
                     if step[0] > gen.first_token_at:  # not the first: after a prefill llama.cpp builds its graph
-                        ended = step
+                        spec.record_step(top - step[0], step[1], step[2])  # before the next draft: it plans by it
                     step = None
                 evaluated = bool(ahead)  # a kept draft token; the last one drawn is pending like any
                 _stamp(gen, i, top)
@@ -452,7 +451,6 @@ class Engine(VocabText):
                 gen.tokens.append(tok)
                 if self.is_eog(tok):
                     gen.stop_reason = "eog"
-                    _book(spec, ended, top)  # the step that drew it
                     return
                 room = self.n_ctx - self.n_kv - 2
                 steps = not (evaluated or inject or i == max_tokens - 1 or room < 0)
@@ -460,7 +458,6 @@ class Engine(VocabText):
                     # the next evaluation starts before the text is handed out: a GPU computes while the UI draws
                     ahead, step = self._step(tok, draw, spec, min(room, max_tokens - 2 - i), top)
                     started = True
-                _book(spec, ended, top)
                 text = decoder.decode(self.piece(tok))  # after the evaluation's start: a GPU is not kept waiting
                 if text:
                     yield text
@@ -695,12 +692,6 @@ def _parks(model: object) -> bool:
     """Whether a sequence parks whole in this model's KV (a sliding window's or a recurrent state's would need a
     share of their own each)."""
     return not (lc.llama_model_n_swa(model) or lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model))
-
-
-def _book(spec: Speculation | None, step: tuple[float, int, int] | None, end: float) -> None:
-    """A step's cost (from its start to `end`, the tokens it handed out, its draft's length) told to `spec`."""
-    if spec and step:
-        spec.record_step(end - step[0], step[1], step[2])
 
 
 def _offloaded(config: EngineConfig, model: object) -> tuple[bool, bool]:

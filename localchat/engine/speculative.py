@@ -128,8 +128,9 @@ class Speculation:
 
     def learn(self, tokens: list[int]) -> None:
         """The newest tokens' n-grams indexed and the lookup draft not made counted: done after the step's
-        evaluation is started (a GPU computes meanwhile; with speculation auto and nothing drafted, this was the
-        whole of its cost on a one-token step's way)."""
+        evaluation is started (a GPU computes meanwhile; with speculation auto and nothing drafted, this was most
+        of its cost on a one-token step's way). The step's cost is booked before the draft (`record_step`): the
+        next plan depends on its size and its draft model's time."""
         if self.mode == "off":
             return
         self._sync(tokens)

@@ -164,7 +164,8 @@ class Session:
     def turn(self, request: Request | str, sink: TurnSink = QUIET) -> TurnStats:
         """One exchange; the request's `started` (perf_counter) is when the user pressed Enter, for the TTFT. A
         prefix loaded from disk is part of the wait for the first token. The user's message is written before it is
-        evaluated (a kill -9 from then on keeps it) and made durable beside the prefill, before the turn ends."""
+        evaluated (a kill -9 from then on keeps it; where every layer is on a GPU, as its first batch is queued, while
+        the GPU computes) and made durable beside the prefill, before the turn ends."""
         if self.ended:
             raise ChatEnded(f"the chat cannot go on: {self.ended}")
         request = Request(request) if isinstance(request, str) else request
@@ -208,8 +209,8 @@ class Session:
             self.message_synced.wait()
 
     def _durable(self, sink: TurnSink) -> TurnSink:
-        """`sink` whose message is written to the transcript before it is evaluated and synced beside the prefill
-        (turn() and retry() end once it is durable)."""
+        """`sink` whose message is written to the transcript as its evaluation starts (`MessageWrite`) and synced
+        beside the prefill (turn() and retry() end once it is durable)."""
         return replace(sink, message=self._write_message)
 
     def _write_message(self) -> None:
