@@ -7,6 +7,7 @@
 #   bash scripts/gpu_final.sh decode OUTDIR   # build + the 8B shape, bench --decode against llama-bench, verify cost
 #   bash scripts/gpu_final.sh demo OUTDIR     # the demo model (real weights, at /tmp/demo.gguf): bench --decode
 #                                               # against llama-bench, verify cost
+#   bash scripts/gpu_final.sh demogap OUTDIR  # the demo model carried as .carry/d.* (two calls): decode_gap.py, turn_paths.py
 #   bash scripts/gpu_final.sh document OUTDIR # build + the 8B shape, bench --document 20000 (KVS: f16 q8_0)
 #   bash scripts/gpu_final.sh statecost OUTDIR # build + the 8B shape, a 20,000-token state's way to disk and back
 #   bash scripts/gpu_final.sh writes OUTDIR   # build + the 8B shape, scripts/kv_writes.py to ~21,000 tokens, a turn
@@ -52,15 +53,20 @@ if [ "$PHASE" = carry ]; then
     MODELS=${MODELS:-tiny} setsid nohup bash scripts/gpu_prepare.sh > /tmp/lcgpu-prepare.log 2>&1 < /dev/null &
     echo $! > /tmp/lcgpu-prepare.pid
   fi
-  mkdir -p /tmp/qwen.parts && cp .carry/q.* /tmp/qwen.parts/ && ls /tmp/qwen.parts | tr '\n' ' '; echo
+  mkdir -p /tmp/qwen.parts /tmp/demo.parts && cp .carry/q.* /tmp/qwen.parts/ 2>/dev/null; cp .carry/d.* /tmp/demo.parts/ \
+    2>/dev/null; ls /tmp/qwen.parts /tmp/demo.parts | tr '\n' ' '; echo
   exit 0
+fi
+if [ "$PHASE" = demogap ] && [ ! -f /tmp/demo.gguf ]; then  # the demo model, carried as .carry/d.* (49 MiB each)
+  cat /tmp/demo.parts/d.* > /tmp/demo.part && echo "$(cut -d' ' -f1 .carry/demo.sha256)  /tmp/demo.part" | sha256sum -c \
+    && mv /tmp/demo.part /tmp/demo.gguf || exit 1
 fi
 if [ "$PHASE" = qwen ] && [ ! -f $QWEN ]; then
   cat /tmp/qwen.parts/q.* > $QWEN.part && echo "$(cut -d' ' -f1 .carry/sha256)  $QWEN.part" | sha256sum -c \
     && mv $QWEN.part $QWEN || exit 1
 fi
 while kill -0 "$(cat /tmp/lcgpu-prepare.pid 2>/dev/null)" 2>/dev/null; do sleep 2; done  # the build a carry call started
-case $PHASE in decode|document|statecost|writes|paths|diag52|verify52|split|split2|tools|ui|gap34|images|sampled|seed) export MODELS=${MODELS:-8b-gqa};; demo|mrope|qwen) export MODELS=${MODELS:-tiny};; esac
+case $PHASE in decode|document|statecost|writes|paths|diag52|verify52|split|split2|tools|ui|gap34|images|sampled|seed) export MODELS=${MODELS:-8b-gqa};; demo|demogap|mrope|qwen) export MODELS=${MODELS:-tiny};; esac
 # one model: the build and it fit with the runs (the demo phase brings its own)
 NEED=${MODELS:-"7b-mha 8b-gqa"}
 have_models() { for m in $NEED; do [ -f /tmp/lcgpu/models/$m.gguf ] || return 1; done; }
@@ -106,6 +112,15 @@ case $PHASE in
     echo "decode (demo) at $(( $(date +%s) - t0 )) s"
     timeout 100 python3 scripts/verify_cost.py /tmp/demo.gguf --tokens 256 > "$OUT/verify-demo.json" 2> "$OUT/verify-demo.err"
     echo "verify cost (demo) at $(( $(date +%s) - t0 )) s"
+    ;;
+  demogap)  # the demo model, carried: decode's way to llama-bench with speculation's cost alone, the turn's path
+    timeout 200 python3 scripts/decode_gap.py /tmp/demo.gguf --profile h200 --depth 46 --tokens 256 --repeat ${GAP_R:-7} \
+      --llama-bench $B/llama-bench > "$OUT/decode-gap-demo.json" 2> "$OUT/decode-gap-demo.err"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['median_ratio'], d['draft_us_per_token'])" \
+      "$OUT/decode-gap-demo.json"; echo "gap at $(( $(date +%s) - t0 )) s"
+    timeout 100 python3 -X faulthandler scripts/turn_paths.py --profile h200 --model /tmp/demo.gguf --kv-type f16 \
+      --rounds 5 --out "$OUT/turn-paths-demo.json" 2> "$OUT/turn-paths-demo.err" | tr -d ' \n'; echo
+    echo "paths at $(( $(date +%s) - t0 )) s"
     ;;
   document)
     for kv in ${KVS:-f16 q8_0}; do
