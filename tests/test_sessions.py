@@ -354,7 +354,7 @@ def test_the_message_is_on_disk_before_it_is_evaluated_and_durable_when_its_turn
     store = SessionDir("durable")
     store.lock()
     ctl = Session(rt, store, lambda t: None, autosave=False)
-    real_prefill = rt.chat.prefill
+    real_prefill = rt.engine.prefill  # what evaluates it
 
     def slow(real):
         def sync(fd: int) -> None:  # a slow disk's: longer than the prefill and the first token
@@ -373,7 +373,7 @@ def test_the_message_is_on_disk_before_it_is_evaluated_and_durable_when_its_turn
     for name in ("fsync", "fdatasync"):
         if hasattr(os, name):
             monkeypatch.setattr(os, name, slow(getattr(os, name)))
-    monkeypatch.setattr(rt.chat, "prefill", prefill)
+    monkeypatch.setattr(rt.engine, "prefill", prefill)
     try:
         for word in ("heliotrope", "heliotrope again"):
             events.clear()

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from localchat.trace import TRACE
-
 TextSink = Callable[[str], None]
 Progress = Callable[[int, int], None]
 PrefixHook = Callable[[list[int], float], None]  # (the prefix's tokens, seconds its prefill took)
@@ -52,17 +50,3 @@ class TurnSink:
 
 QUIET = TurnSink()
 
-
-class MessageWrite:
-    """A sink's `message`, called at most once by whoever asks first: the turn before its prefill on a CPU (which
-    evaluates within the call), the prefill once its first batch is queued where every layer is on a GPU, or the
-    turn after the prefill where nothing was evaluated or it failed."""
-
-    def __init__(self, write: Callable[[], None] | None):
-        self._write = write
-
-    def __call__(self) -> None:
-        write, self._write = self._write, None
-        if write is not None:
-            write()
-            TRACE.stamp("message_written")

@@ -13,7 +13,7 @@ from localchat.chat import overflow, replystream, tools, transcript
 from localchat.chat.ahead import Ahead
 from localchat.chat.conversation import Conversation, Message
 from localchat.chat.delta import Deltas
-from localchat.chat.request import NO_INPUTS, MessageWrite, TextSink, TurnInputs
+from localchat.chat.request import NO_INPUTS, TextSink, TurnInputs
 from localchat.chat.stats import ToolStats, TurnStats
 from localchat.chatformat.loosecalls import NO_CALL_OPENINGS
 from localchat.chatformat.templates import ChatFormat
@@ -43,7 +43,7 @@ class StepChat(Protocol):
     def record(self, m: Message) -> None: ...
     def record_event(self, record: transcript.Record) -> None: ...
     def prefill(self, prompt: list[int], progress: Any, cancelled: Callable[[], bool] | None, on_prefix: Any,
-                stops: list[int], queued: Callable[[], None] | None = None) -> PrefillResult: ...
+                stops: list[int], message: Callable[[], None] | None = None) -> PrefillResult: ...
     def reply(self, prompt_len: int, gen: Generation, st: TurnStats, opts: replystream.ReplyOptions,
               sampler: object | None = None, answer: bool = False) -> None: ...
     def finish(self, st: TurnStats, t0: float, gen: Generation, inputs: TurnInputs,
@@ -168,7 +168,7 @@ class Tooling:
         end, each result as plain text, the next generation prompt), then the model replies (`stop`: why it
         does not, "cancelled" for Ctrl-C; the results are kept, the reply left cut, the turn's stop_reason
         says so). The TTFT runs from `started` (perf_counter), when the results were in; `on_message` is
-        called once the call and its results are recorded, as a turn's message is (`MessageWrite`: the session
+        called once the call and its results are recorded, as a turn's message is (`Chat.prefill`: the session
         writes them to disk, a step once done is never lost); with `answer`, the reply may not call (the loop's
         last)."""
         chat = self.chat
@@ -182,9 +182,6 @@ class Tooling:
         for call, outcome, head, body in zip(calls, outcomes, heads, bodies):
             chat.record(conv.add_result(outcome.text, head, body, {"name": call.name, "id": call.id,
                                                                    "status": outcome.status}))
-        written = MessageWrite(on_message)
-        if not e.queues:  # a CPU evaluates within the call: the results are on disk first
-            written()
         ran = sum(not isinstance(o, (tools.NotRun, tools.Repeated, tools.Unoffered)) for o in outcomes)
         st.tools = ToolStats(step=len([m for m in self._exchange() if m.role == "assistant"]), tool_calls=ran,
                              tool_result_tokens=sum(map(len, results)), prefetched_tokens=self._prefetched,
@@ -194,13 +191,11 @@ class Tooling:
         e.reset_perf()
         gen = Generation(tokens=[])
         st.prompt_tokens = len(prompt)
-        try:  # on a GPU the results are written while the first batch computes
-            pre = chat.prefill(prompt, None, opts.cancelled, None, [], written)
+        try:
+            pre = chat.prefill(prompt, None, opts.cancelled, None, [], on_message)
         except Cancelled:
             stop = "cancelled"
             pre = PrefillResult(e.common_prefix(prompt), 0, 0.0, -1, False)
-        finally:
-            written()  # nothing evaluated, or the prefill failed: they are kept all the same
         st.cached_tokens, st.recomputed_tokens, st.prefill_s = pre.cached, pre.recomputed, pre.seconds
         if stop:
             e.truncate(e.common_prefix(prompt))  # nothing evaluated ahead of a denied result stays in the KV

@@ -13,7 +13,7 @@ from localchat.chat.ahead import Ahead
 from localchat.chat.conversation import Conversation, Message
 from localchat.chat.delta import Deltas
 from localchat.chat.documents import Attachments
-from localchat.chat.request import NO_INPUTS, QUIET, MessageWrite, PrefixHook, Progress, Request, TurnInputs, TurnSink
+from localchat.chat.request import NO_INPUTS, QUIET, PrefixHook, Progress, Request, TurnInputs, TurnSink
 from localchat.chat.stats import TurnStats
 from localchat.chat.toolstep import Tooling
 from localchat.chatformat import reasoning
@@ -179,9 +179,6 @@ class Chat:
         self.prepare()
         laid = self._lay_out(request.text, st, inputs)
         TRACE.stamp("laid_out")
-        written = MessageWrite(sink.message)
-        if not e.queues:  # llama.cpp evaluates a CPU's batch within the call: the message is on disk first
-            written()
         prompt = self.conv.window_tokens()
         n_kv_before = e.n_kv
         e.reset_perf()
@@ -190,10 +187,7 @@ class Chat:
         try:
             TRACE.stamp("prefill_start")
             e.draw_with(self.tooling.first_sampler or self._sampler)  # the prompt's last logits made for the reply
-            try:  # on a GPU the message is written while the first batch computes
-                pre = self.prefill(prompt, sink.progress, sink.cancelled, sink.prefix, laid.stops, written)
-            finally:
-                written()  # nothing evaluated, or the prefill failed: the message is kept all the same
+            pre = self.prefill(prompt, sink.progress, sink.cancelled, sink.prefix, laid.stops, sink.message)
             TRACE.stamp("prefill_end")
         except Cancelled:
             self.record(self.conv.add_reply("", [], cut=True))
@@ -303,19 +297,27 @@ class Chat:
         return f"template re-render: prompt differs from the KV at token {st.first_diff}"
 
     def prefill(self, prompt: list[int], progress: Progress | None, cancelled: Callable[[], bool] | None,
-                on_prefix: PrefixHook | None, stops: list[int], queued: Callable[[], None] | None = None
+                on_prefix: PrefixHook | None, stops: list[int], message: Callable[[], None] | None = None
                 ) -> PrefillResult:
         """Prefill, stopping where the system prefix and attached documents end (llama.cpp's results vary in
-        the last bits with the batches: stores or not, the same batches), for `on_prefix` to keep their KV;
-        `queued` as Engine.prefill calls it (once, with the first batch of any part)."""
+        the last bits with the batches: stores or not, the same batches), for `on_prefix` to keep their KV.
+        `message` (the sink's: the message or a step's results written to disk) is called once: before the first
+        batch on a CPU, which evaluates within the call; once that batch is queued where every layer is on a GPU
+        (the disk off the GPU's way); after, where nothing is evaluated or the prefill fails."""
         e = self.engine
+        written = _Once(message)
+        if not e.queues:
+            written()
         stops = [n for n in stops if n < len(prompt) and e.common_prefix(prompt[:n]) < n]
         parts: list[PrefillResult] = []
-        for n in [*stops, len(prompt)]:
-            parts.append(e.prefill(prompt[:n], progress=progress, cancelled=cancelled, queued=queued))
-            evaluated = sum(p.recomputed for p in parts)
-            if n < len(prompt) and on_prefix is not None:
-                on_prefix(prompt[:n], sum(p.seconds for p in parts) * n / max(evaluated, 1))
+        try:
+            for n in [*stops, len(prompt)]:
+                parts.append(e.prefill(prompt[:n], progress=progress, cancelled=cancelled, queued=written))
+                evaluated = sum(p.recomputed for p in parts)
+                if n < len(prompt) and on_prefix is not None:
+                    on_prefix(prompt[:n], sum(p.seconds for p in parts) * n / max(evaluated, 1))
+        finally:
+            written()
         if len(parts) == 1:
             return parts[0]
         return PrefillResult(parts[0].cached, sum(p.recomputed for p in parts), sum(p.seconds for p in parts),
@@ -417,6 +419,19 @@ class Chat:
         self.ahead.invalidate()
         self._system_cause = cause
         self.events.append(transcript.system(self.conv))
+
+
+class _Once:
+    """A write called at most once, by whoever asks first (the prefill's first batch, or Chat.prefill around it)."""
+
+    def __init__(self, write: Callable[[], None] | None):
+        self._write = write
+
+    def __call__(self) -> None:
+        write, self._write = self._write, None
+        if write is not None:
+            write()
+            TRACE.stamp("message_written")
 
 
 def _count_compaction(st: TurnStats, done: compaction.Compacted) -> None:

@@ -209,7 +209,7 @@ class Session:
             self.message_synced.wait()
 
     def _durable(self, sink: TurnSink) -> TurnSink:
-        """`sink` whose message is written to the transcript as its evaluation starts (`MessageWrite`) and synced
+        """`sink` whose message is written to the transcript as its evaluation starts (`Chat.prefill`) and synced
         beside the prefill (turn() and retry() end once it is durable)."""
         return replace(sink, message=self._write_message)
 
