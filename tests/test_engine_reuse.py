@@ -58,9 +58,11 @@ def test_reuse_changes_speed_never_output(demo_engine):
     assert replies_reuse == replies_fresh
 
 
-def test_repetition_penalties_depend_on_the_conversation_not_on_what_was_sampled_before(demo_engine):
+def test_repetition_penalties_depend_on_the_conversation_not_on_what_was_sampled_before(demo_engine, monkeypatch):
     """With a repeat penalty and DRY on, a reply depends on the conversation only: /undo and sending
-    again gives the same reply, and so does a resumed chat (its KV loaded, a sampler that saw nothing)."""
+    again gives the same reply, and so does a resumed chat (its KV loaded, a sampler that saw nothing). With
+    the engine taken for one whose every layer is on a GPU, where the sampler is primed with the prompt while
+    its first batch computes, the same replies as primed before it."""
     penalized = SamplingConfig(temperature=0, repeat_penalty=1.3, dry_multiplier=0.8)
     e = demo_engine
     chat = greedy_chat(e, system="You are brief.", max_tokens=32, sampling=penalized)
@@ -81,6 +83,11 @@ def test_repetition_penalties_depend_on_the_conversation_not_on_what_was_sampled
     plain.turn(QUESTIONS[0])
     plain.turn(QUESTIONS[1])
     assert [m.tokens for m in plain.conv.messages] != [m.tokens for m in resumed.conv.messages]  # the penalty acts
+    monkeypatch.setattr(e, "queues", True)
+    queued = greedy_chat(e, system="You are brief.", max_tokens=32, sampling=penalized)
+    queued.turn(QUESTIONS[0])
+    queued.turn(QUESTIONS[1])
+    assert [m.tokens for m in queued.conv.messages] == [m.tokens for m in resumed.conv.messages]
 
 
 def test_next_turn_head_is_evaluated_after_the_reply_and_changes_no_output(demo_engine):

@@ -43,7 +43,8 @@ class StepChat(Protocol):
     def record(self, m: Message) -> None: ...
     def record_event(self, record: transcript.Record) -> None: ...
     def prefill(self, prompt: list[int], progress: Any, cancelled: Callable[[], bool] | None, on_prefix: Any,
-                stops: list[int], message: Callable[[], None] | None = None) -> PrefillResult: ...
+                stops: list[int], message: Callable[[], None] | None = None,
+                sampler: object | None = None) -> PrefillResult: ...
     def reply(self, prompt_len: int, gen: Generation, st: TurnStats, opts: replystream.ReplyOptions,
               sampler: object | None = None, answer: bool = False) -> None: ...
     def finish(self, st: TurnStats, t0: float, gen: Generation, inputs: TurnInputs,
@@ -191,8 +192,9 @@ class Tooling:
         e.reset_perf()
         gen = Generation(tokens=[])
         st.prompt_tokens = len(prompt)
+        sampler = self.answer_sampler if answer else self.step_sampler
         try:
-            pre = chat.prefill(prompt, None, opts.cancelled, None, [], on_message)
+            pre = chat.prefill(prompt, None, opts.cancelled, None, [], on_message, sampler)
         except Cancelled:
             stop = "cancelled"
             pre = PrefillResult(e.common_prefix(prompt), 0, 0.0, -1, False)
@@ -205,7 +207,7 @@ class Tooling:
         prompt_eval = int(e.perf()["prompt_n"])  # booked: the prefill waited for its work to be done
         if opts.on_text is not None and any(m.content for m in self._exchange() if m.role == "assistant"):
             opts = dataclasses.replace(opts, on_text=_paragraph(opts.on_text))  # apart from the words shown before
-        chat.reply(len(prompt), gen, st, opts, self.answer_sampler if answer else self.step_sampler, answer)
+        chat.reply(len(prompt), gen, st, opts, sampler, answer)
         chat.ahead.end_turn()
         return chat.finish(st, t0, gen, NO_INPUTS, prompt_eval)
 

@@ -186,8 +186,9 @@ class Chat:
         st.prompt_tokens = len(prompt)
         try:
             TRACE.stamp("prefill_start")
-            e.draw_with(self.tooling.first_sampler or self._sampler)  # the prompt's last logits made for the reply
-            pre = self.prefill(prompt, sink.progress, sink.cancelled, sink.prefix, laid.stops, sink.message)
+            sampler = self.tooling.first_sampler or self._sampler
+            e.draw_with(sampler)  # the prompt's last logits made for the reply
+            pre = self.prefill(prompt, sink.progress, sink.cancelled, sink.prefix, laid.stops, sink.message, sampler)
             TRACE.stamp("prefill_end")
         except Cancelled:
             self.record(self.conv.add_reply("", [], cut=True))
@@ -198,7 +199,7 @@ class Chat:
         st.prefill_s, st.first_diff = pre.seconds, pre.first_diff
         prompt_eval = int(e.perf()["prompt_n"])
         opts = self._reply_options(sink)
-        self.reply(len(prompt), gen, st, opts, self.tooling.first_sampler)
+        self.reply(len(prompt), gen, st, opts, sampler)
         if st.cache_miss and st.turn > 1:
             st.miss_cause = self._miss_cause(st, inputs, pre.rewind_refused, n_kv_before)
         self.ahead.end_turn()
@@ -248,11 +249,11 @@ class Chat:
 
     def reply(self, prompt_len: int, gen: Generation, st: TurnStats, opts: replystream.ReplyOptions,
               sampler: object | None = None, answer: bool = False) -> None:
-        """Stream the reply (drawn by `sampler`, else the chat's) and keep it in the conversation, counted in
-        `st`; with `answer`, a call in it does not run (where no grammar could keep it from being written)."""
+        """Stream the reply (drawn by `sampler`, else the chat's, primed by the prefill) and keep it in the
+        conversation, counted in `st`; with `answer`, a call in it does not run (where no grammar could keep it
+        from being written)."""
         e, spec, tooling = self.engine, self.speculation, self.tooling
         sampler = sampler or self._sampler
-        prime_sampler(sampler, self.settings.sampling, e.tokens)  # the penalties see this context
         drafted, accepted = (spec.drafted, spec.accepted) if spec else (0, 0)
         out = replystream.stream(e, sampler, gen, opts, spec)
         if spec:
@@ -297,27 +298,29 @@ class Chat:
         return f"template re-render: prompt differs from the KV at token {st.first_diff}"
 
     def prefill(self, prompt: list[int], progress: Progress | None, cancelled: Callable[[], bool] | None,
-                on_prefix: PrefixHook | None, stops: list[int], message: Callable[[], None] | None = None
-                ) -> PrefillResult:
+                on_prefix: PrefixHook | None, stops: list[int], message: Callable[[], None] | None = None,
+                sampler: object | None = None) -> PrefillResult:
         """Prefill, stopping where the system prefix and attached documents end (llama.cpp's results vary in
         the last bits with the batches: stores or not, the same batches), for `on_prefix` to keep their KV.
-        `message` (the sink's: the message or a step's results written to disk) is called once: before the first
-        batch on a CPU, which evaluates within the call; once that batch is queued where every layer is on a GPU
-        (the disk off the GPU's way); after, where nothing is evaluated or the prefill fails."""
+        The host's work the reply needs and the evaluation does not is done once: `message` (the sink's: the
+        message or a step's results written to disk) called, the reply's `sampler` (else the chat's) primed with
+        the prompt; before the first batch on a CPU, which evaluates within the call; once that batch is queued
+        where every layer is on a GPU (off the GPU's way); after, where nothing is evaluated or the prefill fails."""
         e = self.engine
-        written = _Once(message)
+        alongside = _Alongside(message, lambda: prime_sampler(sampler or self._sampler, self.settings.sampling,
+                                                              prompt))
         if not e.queues:
-            written()
+            alongside()
         stops = [n for n in stops if n < len(prompt) and e.common_prefix(prompt[:n]) < n]
         parts: list[PrefillResult] = []
         try:
             for n in [*stops, len(prompt)]:
-                parts.append(e.prefill(prompt[:n], progress=progress, cancelled=cancelled, queued=written))
+                parts.append(e.prefill(prompt[:n], progress=progress, cancelled=cancelled, queued=alongside))
                 evaluated = sum(p.recomputed for p in parts)
                 if n < len(prompt) and on_prefix is not None:
                     on_prefix(prompt[:n], sum(p.seconds for p in parts) * n / max(evaluated, 1))
         finally:
-            written()
+            alongside()
         if len(parts) == 1:
             return parts[0]
         return PrefillResult(parts[0].cached, sum(p.recomputed for p in parts), sum(p.seconds for p in parts),
@@ -421,17 +424,21 @@ class Chat:
         self.events.append(transcript.system(self.conv))
 
 
-class _Once:
-    """A write called at most once, by whoever asks first (the prefill's first batch, or Chat.prefill around it)."""
+class _Alongside:
+    """The message's write and the sampler's priming, done once, by whoever asks first (the prefill's first batch,
+    or Chat.prefill around it)."""
 
-    def __init__(self, write: Callable[[], None] | None):
-        self._write = write
+    def __init__(self, write: Callable[[], None] | None, prime: Callable[[], None]):
+        self._write: Callable[[], None] | None = write
+        self._prime: Callable[[], None] | None = prime
 
     def __call__(self) -> None:
-        write, self._write = self._write, None
+        write, prime, self._write, self._prime = self._write, self._prime, None, None
         if write is not None:
             write()
             TRACE.stamp("message_written")
+        if prime is not None:
+            prime()  # the penalties see this context
 
 
 def _count_compaction(st: TurnStats, done: compaction.Compacted) -> None:
