@@ -69,3 +69,33 @@ def test_a_client_resending_its_history_evaluates_only_the_new_message(host):
     assert again.turn == 2 and [m.content for m in host.session.chat.conv.messages if m.role == "user"] == \
         ["Name a color.", "Name an animal."]
     assert again.cached_tokens >= first.prompt_tokens and again.recomputed_tokens <= again.new_tokens + 1
+
+
+def test_a_served_reply_under_penalties_is_the_same_where_its_sampler_is_primed_while_the_gpu_computes(
+        home, demo_path, monkeypatch):
+    """`localchat serve` primes a reply's sampler with the prompt (the repeat penalty and DRY see the context)
+    once the first batch is queued where every layer is on a GPU, before it on a CPU: the same replies either way,
+    and other than with no penalty."""
+    from localchat.chat.request import QUIET
+    from localchat.host.asks import Ask
+    from localchat.host.served import Served
+
+    def replies(penalized: bool, queues: bool) -> list[str]:
+        knobs = {"repeat_penalty": 1.3, "dry_multiplier": 0.8} if penalized else {}
+        profile = runtime.load_profile("cpu", {"temperature": 0.0, "max_tokens": 24, "n_ctx": 2048,
+                                               "model": str(demo_path), **knobs})
+        with runtime.open_runtime(profile, lambda text: None) as rt:
+            monkeypatch.setattr(rt.chat.engine, "queues", queues)
+            served = Served(Session(rt, None, lambda text: None, autosave=False))
+            history: list[dict] = []
+            said = []
+            for question in ("Name three colors.", "And three more?"):
+                history.append({"role": "user", "content": question})
+                said.append(served.complete(Ask(messages=list(history)), QUIET).text)
+                history.append({"role": "assistant", "content": said[-1]})
+            served.close()
+        return said
+
+    primed_before = replies(True, False)
+    assert replies(True, True) == primed_before
+    assert replies(False, False) != primed_before  # the penalty acts on these replies

@@ -122,6 +122,19 @@ def test_tools_refuse_bad_calls_with_one_line_and_run_nothing(tmp_path):
     assert "+x" in asked[-1].shown and asked[-1].side_effect
 
 
+def test_a_read_that_would_return_nothing_says_why_and_a_range_past_the_end_gets_the_whole_file(tmp_path):
+    """The built-in Qwen 1.5B asked lines 2-5 of a one-line config.yaml, read "" and guessed the port or asked the
+    user for the file: an empty result must say what the file holds."""
+    (tmp_path / "config.yaml").write_text("port: 8080\n")
+    (tmp_path / "empty.txt").write_text("")
+    box = Toolbox(Root(tmp_path), approve=lambda r: Decision("deny"), allowed={"read_file"})
+    past = box.run("read_file", {"path": "config.yaml", "start": 2, "end": 5})
+    assert past.status == "ok" and past.text.endswith("\nport: 8080") and "has 1 line;" in past.text
+    assert box.run("read_file", {"path": "config.yaml", "start": 1, "end": 1}).text == "port: 8080"  # a range as asked
+    assert box.run("read_file", {"path": "config.yaml", "start": 1, "end": -1}).text == "port: 8080"  # -1: to the end
+    assert box.run("read_file", {"path": "empty.txt"}).text == "(empty.txt is empty)"
+
+
 def test_a_search_does_not_read_a_file_that_a_symlink_leads_out_of_the_working_directory(tmp_path):
     """A folder cloned from anywhere may hold `notes -> ~/.ssh/id_rsa`: read_file asks about it (a path outside),
     but search_text, approved for the working directory, returned its lines unasked."""

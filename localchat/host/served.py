@@ -34,7 +34,7 @@ from localchat.chatformat import reasoning
 from localchat.chatformat.loosecalls import NO_CALL_OPENINGS
 from localchat.chatformat.toolcalls import ToolCall, ToolFormat, after_thoughts
 from localchat.chatformat.toolgrammar import NO_CALL, loose_grammar
-from localchat.engine import Cancelled, Generation, SamplingConfig, free_sampler, prime_sampler
+from localchat.engine import Cancelled, Generation, PrefillResult, SamplingConfig, free_sampler, prime_sampler
 from localchat.errors import RequestError, SessionError
 from localchat.fsutil import atomic_write
 from localchat.host.asks import Answer, Ask, Prompts, begun, check_messages, normalised, reply_message, schema_grammar
@@ -273,7 +273,7 @@ class Served:
         drawn = self._sampler(ask)
         try:
             self.engine.draw_with(drawn[0])  # the prompt's last logits made for this reply's draw
-            done = self.engine.prefill(prompt, cancelled=sink.cancelled)
+            done = self._prefill(prompt, ask, drawn[0], sink)
             stages.stamp("prefill_end")
             answer = self._reply(ask, min(ask.max_tokens or room, room), stages.timed(sink), drawn, stages)
             if begun(messages) is None:  # where the client wrote the reply's start, nothing is told in its words
@@ -324,17 +324,32 @@ class Served:
         instead = replace(ask, tool_choice="none")
         drawn = self._sampler(instead)
         self.engine.draw_with(drawn[0])
-        self.engine.prefill(prompt, cancelled=sink.cancelled)
+        self._prefill(prompt, instead, drawn[0], sink)
         answer = self._reply(instead, min(ask.max_tokens or room, room), sink, drawn)
         answer.completion_tokens += repeat.completion_tokens
         return answer
+
+    def _prefill(self, prompt: list[int], ask: Ask, sampler: object, sink: TurnSink) -> PrefillResult:
+        """The prompt evaluated and the reply's sampler primed with it (its penalties see the context), as the chat
+        does: where every layer is on a GPU, once the first batch is queued, while the GPU computes."""
+        primed: list[bool] = []
+
+        def prime() -> None:
+            if not primed:
+                primed.append(True)
+                prime_sampler(sampler, self._sampling(ask), prompt)
+
+        if not self.engine.queues:
+            prime()
+        done = self.engine.prefill(prompt, cancelled=sink.cancelled, queued=prime)
+        prime()  # where nothing was evaluated
+        return done
 
     def _reply(self, ask: Ask, most: int, sink: TurnSink, drawn: tuple[object, bool],
                stages: _Stages | None = None) -> Answer:
         """The reply, drawn by `drawn`: the sampler the prompt was evaluated for (`_sampler`'s), and whether calls
         are held to a grammar."""
         sampler, held = drawn
-        prime_sampler(sampler, self._sampling(ask), self.engine.tokens)
         gen = Generation(tokens=[])
         opts = replystream.ReplyOptions(
             max_tokens=most, style=self.style, opened=bool(self.style) and self.fmt.opens_thoughts,

@@ -256,8 +256,14 @@ class Toolbox:
         if b"\0" in data[:linesearch.BINARY_PROBE]:
             raise ToolError(f"{path} is a binary file")
         lines = data.decode("utf-8", "replace").splitlines()
-        end = end or len(lines)
-        return "\n".join(lines[max(0, start - 1):end])
+        if not lines:  # an empty result reads to a small model as a failed call: it asks the user for the content
+            return f"({path} is empty)"
+        end = end if end > 0 else len(lines)  # small models write end=-1 for "to the end"
+        chosen = lines[max(0, start - 1):end]
+        if not chosen:  # a range past the end (Qwen2.5-Coder-1.5B asked lines 2-5 of a one-line file): all of it
+            held = f"{len(lines)} line" + ("s" if len(lines) > 1 else "")
+            return f"({path} has {held}; lines {start}-{end} hold nothing. The whole file:)\n" + "\n".join(lines)
+        return "\n".join(chosen)
 
     def _files(self, pattern: str) -> list[Path]:
         files = walk_files(self.root.root, MOST_FILES)
