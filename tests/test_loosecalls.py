@@ -29,6 +29,9 @@ FENCED = 'Let me check.\n```json\n{\n  "name": "read_file",\n  "arguments": {\n 
 WRAPPED = '```\n{\n  "function": {\n    "name": "read_file",\n    "arguments": {"path": "stats.py"}\n  }\n  , \n  {\n' \
     '    "name": "search_text",\n    "arguments": {\n      "pattern": "(average|total)"\n    }\n  }\n```'
 
+# as it called again after reading config.yaml through the terminal (seeds 4 and 7, 2026-12-07)
+SECOND = '{{"function": "read_file", "arguments": {"path": "config.yaml", "start": 3, "end": 4}}}'
+
 
 def fits(name, args):
     return not validate(SCHEMAS[name], args)
@@ -46,6 +49,8 @@ def fits(name, args):
     ('Sure. {"type": "function", "function": {"name": "read_file", "arguments": {"path": "a"}}}', 6,
      [("read_file", {"path": "a"})]),  # OpenAI's form
     ('{{"name": "read_file", "arguments": {"path": "a"}}', 0, [("read_file", {"path": "a"})]),  # a doubled brace
+    (SECOND, 0, [("read_file", {"path": "config.yaml", "start": 3, "end": 4})]),  # "function" for "name"
+    ('Again: {"function": "list_files", "arguments": {}}', 7, [("list_files", {})]),
 ])
 def test_a_json_object_naming_an_offered_tool_is_a_call(text, start, calls):
     assert loosecalls.find(text, NAMES, fits) == (start, calls)
@@ -57,6 +62,7 @@ def test_a_json_object_naming_an_offered_tool_is_a_call(text, start, calls):
     '[{"name": "read_file", "arguments": {"path": "a"}}, {"name": "nope", "arguments": {}}]',  # one of them
     'Write {"name": "Ada", "age": 36} to people.json.',  # a JSON object of the user's
     '{"type": "function", "function": "a function is a rule"}',  # the words, not a call
+    '{"function": "read_file", "purpose": "reads"}',  # no arguments: data about a tool
     'In the template write {{ name }} or {{"name"}}.',  # a template's placeholders
     '```python\nprint({"name": "read_file"})\n```',
 ])
@@ -124,6 +130,8 @@ def test_a_call_never_reaches_the_screen_and_everything_else_does(chunk):
     assert shown("I will look.\n" + WRAPPED) == ("I will look.", True)  # the wrapper goes with its calls
     # as the 1.5B called again after a result through `localchat serve` (2026-12-07): its stream began with "{"
     assert shown('{{"name": "read_file", "arguments": {"path": "a"}}') == ("", True)
+    assert shown(SECOND) == ("", True)
+    assert shown('{"function": "to read", "x": 1}') == ('{"function": "to read", "x": 1}', False)  # data, shown
     assert shown("Sure.\n<tool_call>\n{...") == ("Sure.", True)  # the call's leading blank lines with it
     prose = 'Use ```python\nprint({"a": 1})\n``` and [a link](x), {"name": "other"}, `code` <tool'
     assert shown(prose) == (prose, False)  # held back only while it might open a call
@@ -156,4 +164,6 @@ def test_the_trigger_matches_where_llama_cpp_hands_the_call_to_the_grammar():
     m = re.search(loosecalls.trigger(NAMES), FENCED)
     assert m is not None and FENCED[m.start(1):].startswith('"read_file"')
     assert re.search(loosecalls.trigger(NAMES), '{"name": "multiply"') is None
+    m = re.search(loosecalls.trigger(NAMES), SECOND)
+    assert m is not None and SECOND[m.start(1):].startswith('"read_file"')
     assert json.loads(FENCED[FENCED.index("{"):FENCED.rindex("}") + 1])["name"] == "read_file"

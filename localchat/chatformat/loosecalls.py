@@ -18,7 +18,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 FENCE = "```"
-NAME_KEYS = ("name", "tool_name")
+NAME_KEYS = ("name", "tool_name", "function")
+# the keys a call's name is read after while it streams; the 1.5B writes {{"function": "read_file", "arguments": ..}}
+# after a tool's result (2 of 8 seeds asked for config.yaml's port, 2026-12-07)
+OPENING_KEYS = ("name", "function")
+_OPENING_KEY = r'"(?:name|function)"'
 ARGS_KEYS = ("arguments", "parameters")
 MOST_HELD = 200  # characters held back while it is not yet known whether they open a call
 MOST_HELD_UNOFFERED = 2_000  # an object naming no offered tool: held until it closes (a call, or data shown)
@@ -43,15 +47,15 @@ def regex_literal(text: str) -> str:
 def trigger(names: Iterable[str]) -> str:
     """The pattern llama.cpp's lazy grammar starts at: an object's "name" key naming one of `names`; the
     grammar takes over from the name's opening quote (the pattern's first group)."""
-    return r'\{\s*"name"\s*:\s*(")(?:' + "|".join(regex_literal(n) for n in names) + ')"'
+    return r'\{\s*' + _OPENING_KEY + r'\s*:\s*(")(?:' + "|".join(regex_literal(n) for n in names) + ')"'
 
 
 def _opening(names: Iterable[str]) -> re.Pattern[str]:
     """Where a call starts in a reply: its fence, its wrapper, its list's bracket, or its object's brace; the
     group `call` where its JSON is read from."""
     alternatives = "|".join(regex_literal(n) for n in names)
-    return re.compile(r'(?:```(?:json)?[ \t]*\n\s*)?' + _WRAPPER + r'(?P<call>(?:\[\s*)?\{\s*"name"\s*:\s*"(?:'
-                      + alternatives + ')")')
+    return re.compile(r'(?:```(?:json)?[ \t]*\n\s*)?' + _WRAPPER + r'(?P<call>(?:\[\s*)?\{\s*' + _OPENING_KEY
+                      + r'\s*:\s*"(?:' + alternatives + ')")')
 
 
 Fits = Callable[[str, dict[str, Any]], bool]  # (tool, arguments): whether they fit the tool's schema
@@ -68,7 +72,8 @@ def find(text: str, names: list[str], fits: Fits) -> tuple[int, list[tuple[str, 
     return -1, []
 
 
-_ANY_OPENING = re.compile(r'(?:```(?:json)?[ \t]*\n\s*)?' + _WRAPPER + r'(?P<call>(?:\[\s*)?\{\s*"name"\s*:\s*")')
+_ANY_OPENING = re.compile(r'(?:```(?:json)?[ \t]*\n\s*)?' + _WRAPPER + r'(?P<call>(?:\[\s*)?\{\s*' + _OPENING_KEY
+                          + r'\s*:\s*")')
 
 
 def unoffered(text: str, names: list[str]) -> tuple[int, list[tuple[str, dict[str, Any]]]]:
@@ -239,7 +244,8 @@ class Spotter:
 
     @staticmethod
     def _key(text: str, i: int) -> int:
-        return _literal(text, i, '"name"')
+        ends = [_literal(text, i, f'"{key}"') for key in OPENING_KEYS]
+        return max(ends) if max(ends) >= 0 else MORE if MORE in ends else NO
 
     @staticmethod
     def _colon(text: str, i: int) -> int:
