@@ -381,6 +381,7 @@ def open_runtime(profile: Profile, report: Report, verbose: bool = False, explic
     engine = Engine(engine_config(profile, info, plan.n_ctx, verbose, threads.cores, plan, sequences))
     try:
         engine.check_finite()
+        engine.warm_up()
         fmt = chat_format(engine, has_template=info.has_chat_template)
     except ModelError:
         engine.close()

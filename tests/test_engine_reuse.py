@@ -35,6 +35,29 @@ def test_chatml_turns_reuse_the_kv(demo_engine):
         assert st.new_tokens == st.prompt_tokens - prev.prompt_tokens - prev.reply_tokens
 
 
+def test_the_warm_up_at_load_on_a_gpu_leaves_the_kv_empty_and_the_replies_as_they_were(demo_engine, monkeypatch):
+    """On a GPU the engine evaluates a batch and a step at load (CUDA loads each kernel at its first use, which the
+    first turn would wait for); nothing of it stays: the first turn evaluates its whole prompt, the same reply."""
+    e = demo_engine
+    e.clear()
+    cold = greedy_chat(e, system="You are brief.", max_tokens=16)
+    cold.turn(QUESTIONS[0])
+    e.clear()
+    calls = []
+    monkeypatch.setattr(e, "overlaps", True)  # taken for a GPU's engine for the warm-up alone
+    monkeypatch.setattr(e, "_decode", lambda *a, _d=e._decode, **k: calls.append(len(a[0])) or _d(*a, **k))
+    e.warm_up()
+    monkeypatch.undo()
+    assert calls == [min(512, e.config.n_batch, e.n_ctx - 2), 1] and e.n_kv == 0 and e.tokens == []
+    warm = greedy_chat(e, system="You are brief.", max_tokens=16)
+    st = warm.turn(QUESTIONS[0])
+    assert st.cached_tokens == 0 and st.recomputed_tokens == st.prompt_tokens
+    assert warm.conv.messages[-1].tokens == cold.conv.messages[-1].tokens
+    calls.clear()
+    e.warm_up()  # on a CPU: nothing evaluated (llama.cpp's CPU kernels need no loading)
+    assert warm.turn(QUESTIONS[1]).cached_tokens > 0
+
+
 def test_template_that_rewrites_earlier_turns_still_reuses(demo_engine):
     _assert_reuse(greedy_chat(demo_engine, template=THINK_STRIPPING), QUESTIONS[:5])
 

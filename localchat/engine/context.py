@@ -28,6 +28,7 @@ from localchat.errors import DamagedModel, DocumentError, ModelError
 from localchat.trace import TRACE
 
 FA_TILE = 64  # queries per tile of llama.cpp's CPU flash attention (GGML_FA_TILE_Q)
+WARM_UP_TOKENS = 512  # a prompt's batch, as a turn's first evaluation makes (one ubatch by default)
 
 
 class Engine(VocabText):
@@ -517,6 +518,18 @@ class Engine(VocabText):
             raise DamagedModel(f"{name}: the model file produced non-finite values (NaN or infinite logits): the "
                                "file is damaged, or this llama.cpp mishandles its quantization; re-download it or "
                                "try another quantization")
+
+    def warm_up(self) -> None:
+        """On a GPU, one batch and one step evaluated and dropped, once at load: CUDA loads a kernel at its first
+        use, which would fall into the first turn's time (llama-server warms up alike); on a CPU nothing. The KV is
+        left empty."""
+        if not self.overlaps:
+            return
+        word = self.tokenize("warm", False, False) or [0]
+        self.prefill((word * WARM_UP_TOKENS)[:min(WARM_UP_TOKENS, self.config.n_batch, self.n_ctx - 2)])
+        self.prefill(self.tokens + word)
+        self.synchronize()
+        self.clear()
 
     def _evaluate_one(self, tok: int, inject: Callable[[], list[int]] | None, room: int, gen: Generation,
                       decoder: codecs.IncrementalDecoder) -> Generator[str, None, bool]:

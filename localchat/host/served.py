@@ -54,7 +54,6 @@ MIN_GAIN = 32  # tokens a load must save over what the KV holds to be worth a co
 PARKED = 7  # conversations kept in llama.cpp sequences beside the working one, while the context has room
 RAM_COPIES = 4  # conversations kept in memory beside the one in the KV
 SAMPLERS = 16  # sampler chains kept for reuse (a grammar's is costly to make)
-WARM_UP_TOKENS = 512
 SAVE_WHEN_QUIET_S = 1.0
 WRITE_POLL_S = 0.2  # the KV is saved once requests pause this long (an agent's come back to back)
 DEBRIS = ("{", "[", "```", "```json")  # all a small model wrote before its call at times: no words of its own
@@ -94,18 +93,6 @@ class Served:
         self.requests = 0
         self.engine.when_full(self._make_room)
         self._load_kept()
-
-    def warm_up(self) -> None:
-        """On a GPU, one batch and one step evaluated and dropped before the first request: CUDA loads a kernel
-        at its first use, which would fall into the first request's time (llama-server warms up alike)."""
-        e = self.engine
-        if not e.overlaps:
-            return
-        word = e.tokenize("warm", False, False) or [0]
-        e.prefill((word * WARM_UP_TOKENS)[:min(WARM_UP_TOKENS, e.config.n_batch, e.n_ctx - 2)])
-        e.prefill(e.tokens + word)
-        e.synchronize()
-        e.clear()
 
     # ------------------------------------------------------------ the kept conversations
     def _load_kept(self) -> None:

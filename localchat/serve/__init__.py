@@ -56,7 +56,6 @@ def run(profile: Profile, host: str, port: int, api_key: str, report: Callable[[
                               sequences=PARKED + 2) as rt:
         session = Session(rt, None, report, autosave=False, prefix_store=True)
         served = Served(session)
-        served.warm_up()
         scheduler = Scheduler(served)
         name = profile.model if profile.model and not profile.model.endswith(".gguf") and "/" not in profile.model \
             else rt.model.path.stem
