@@ -53,7 +53,6 @@ def test_the_warm_up_at_load_on_a_gpu_leaves_the_kv_empty_and_the_replies_as_the
     st = warm.turn(QUESTIONS[0])
     assert st.cached_tokens == 0 and st.recomputed_tokens == st.prompt_tokens
     assert warm.conv.messages[-1].tokens == cold.conv.messages[-1].tokens
-    calls.clear()
     e.warm_up()  # on a CPU: nothing evaluated (llama.cpp's CPU kernels need no loading)
     assert warm.turn(QUESTIONS[1]).cached_tokens > 0
 

@@ -20,7 +20,7 @@ from typing import Any
 FENCE = "```"
 NAME_KEYS = ("name", "tool_name", "function")
 # the keys a call's name is read after while it streams; the 1.5B writes {{"function": "read_file", "arguments": ..}}
-# after a tool's result (2 of 8 seeds asked for config.yaml's port, 2026-12-07)
+# after a tool's result (2 of 10 seeds asked for config.yaml's port, 2026-12-07)
 OPENING_KEYS = ("name", "function")
 _OPENING_KEY = r'"(?:name|function)"'
 ARGS_KEYS = ("arguments", "parameters")
