@@ -36,15 +36,16 @@ def test_chatml_turns_reuse_the_kv(demo_engine):
 
 
 def test_the_warm_up_at_load_on_a_gpu_leaves_the_kv_empty_and_the_replies_as_they_were(demo_engine, monkeypatch):
-    """On a GPU the engine evaluates a batch and a step at load (CUDA loads each kernel at its first use, which the
-    first turn would wait for); nothing of it stays: the first turn evaluates its whole prompt, the same reply."""
+    """Where every layer is on a GPU the engine evaluates a batch and a step at load (CUDA loads each kernel at its
+    first use, which the first turn would wait for); nothing of it stays: the first turn evaluates its whole prompt,
+    the same reply."""
     e = demo_engine
     e.clear()
     cold = greedy_chat(e, system="You are brief.", max_tokens=16)
     cold.turn(QUESTIONS[0])
     e.clear()
     calls = []
-    monkeypatch.setattr(e, "overlaps", True)  # taken for a GPU's engine for the warm-up alone
+    monkeypatch.setattr(e, "queues", True)  # taken for an all-GPU engine for the warm-up alone
     monkeypatch.setattr(e, "_decode", lambda *a, _d=e._decode, **k: calls.append(len(a[0])) or _d(*a, **k))
     e.warm_up()
     monkeypatch.undo()

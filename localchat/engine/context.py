@@ -520,10 +520,11 @@ class Engine(VocabText):
                                "try another quantization")
 
     def warm_up(self) -> None:
-        """On a GPU, one batch and one step evaluated and dropped, once at load: CUDA loads a kernel at its first
-        use, which would fall into the first turn's time (llama-server warms up alike); on a CPU nothing. The KV is
-        left empty."""
-        if not self.overlaps:
+        """Where every layer is on a GPU, one batch and one step evaluated and dropped, once at load: CUDA loads a
+        kernel at its first use, which would fall into the first turn's time (llama-server warms up alike). Not on a
+        CPU (nothing to load) nor with layers on it (their share of the batch would add seconds to the start). The
+        KV is left empty."""
+        if not self.queues:
             return
         word = self.tokenize("warm", False, False) or [0]
         self.prefill((word * WARM_UP_TOKENS)[:min(WARM_UP_TOKENS, self.config.n_batch, self.n_ctx - 2)])
