@@ -307,7 +307,7 @@ class Chat:
         the prompt; before the first batch on a CPU, which evaluates within the call; once that batch is queued
         where every layer is on a GPU (off the GPU's way); after, where nothing is evaluated or the prefill fails."""
         e = self.engine
-        alongside = _Alongside(message, lambda: prime_sampler(sampler or self._sampler, self.settings.sampling,
+        alongside = Alongside(message, lambda: prime_sampler(sampler or self._sampler, self.settings.sampling,
                                                               prompt))
         if not e.queues:
             alongside()
@@ -424,9 +424,9 @@ class Chat:
         self.events.append(transcript.system(self.conv))
 
 
-class _Alongside:
+class Alongside:
     """The message's write and the sampler's priming, done once, by whoever asks first (the prefill's first batch,
-    or Chat.prefill around it)."""
+    or the caller around it: Chat.prefill, serve's prefill)."""
 
     def __init__(self, write: Callable[[], None] | None, prime: Callable[[], None]):
         self._write: Callable[[], None] | None = write

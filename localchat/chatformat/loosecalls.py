@@ -22,7 +22,7 @@ NAME_KEYS = ("name", "tool_name", "function")
 # the keys a call's name is read after while it streams; the 1.5B writes {{"function": "read_file", "arguments": ..}}
 # after a tool's result (2 of 10 seeds asked for config.yaml's port, 2026-12-07)
 OPENING_KEYS = ("name", "function")
-_OPENING_KEY = r'"(?:name|function)"'
+_OPENING_KEY = '"(?:' + "|".join(OPENING_KEYS) + ')"'
 ARGS_KEYS = ("arguments", "parameters")
 MOST_HELD = 200  # characters held back while it is not yet known whether they open a call
 MOST_HELD_UNOFFERED = 2_000  # an object naming no offered tool: held until it closes (a call, or data shown)

@@ -30,6 +30,7 @@ from localchat.chat.conversation import Message
 from localchat.chat.official import raw_reply
 from localchat.chat.request import TurnSink
 from localchat.chat.tools import Repeated, Unoffered, unoffered_only
+from localchat.chat.turns import Alongside
 from localchat.chatformat import reasoning
 from localchat.chatformat.loosecalls import NO_CALL_OPENINGS
 from localchat.chatformat.toolcalls import ToolCall, ToolFormat, after_thoughts
@@ -319,18 +320,13 @@ class Served:
     def _prefill(self, prompt: list[int], ask: Ask, sampler: object, sink: TurnSink) -> PrefillResult:
         """The prompt evaluated and the reply's sampler primed with it (its penalties see the context), as the chat
         does: where every layer is on a GPU, once the first batch is queued, while the GPU computes."""
-        primed: list[bool] = []
-
-        def prime() -> None:
-            if not primed:
-                primed.append(True)
-                prime_sampler(sampler, self._sampling(ask), prompt)
-
+        alongside = Alongside(None, lambda: prime_sampler(sampler, self._sampling(ask), prompt))
         if not self.engine.queues:
-            prime()
-        done = self.engine.prefill(prompt, cancelled=sink.cancelled, queued=prime)
-        prime()  # where nothing was evaluated
-        return done
+            alongside()
+        try:
+            return self.engine.prefill(prompt, cancelled=sink.cancelled, queued=alongside)
+        finally:
+            alongside()  # where nothing was evaluated
 
     def _reply(self, ask: Ask, most: int, sink: TurnSink, drawn: tuple[object, bool],
                stages: _Stages | None = None) -> Answer:
